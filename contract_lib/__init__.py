@@ -1,0 +1,18 @@
+"""contract_lib: does a replacement scheduler loop still do everything ``run_batch`` did?
+
+Runs short workloads through SGLang's real scheduler loops (``normal``, ``overlap``,
+``mlx``) with only the model forward replaced, records per-step frames, and checks the
+five clauses of the per-step contract at every step boundary.
+"""
+
+from contract_lib.frames import Frames, FramesFormatError
+from contract_lib.harness import LOOPS, RunSetupError, run
+from contract_lib.patches import BUILTIN_PATCHES, PatchError
+from contract_lib.versions import SUPPORTED_SGLANG_VERSIONS, UnsupportedSGLangError
+from contract_lib.workloads import Workload, WorkloadError, load_workload, workload_names
+
+__all__ = [
+    "BUILTIN_PATCHES", "Frames", "FramesFormatError", "LOOPS", "PatchError", "RunSetupError",
+    "SUPPORTED_SGLANG_VERSIONS", "UnsupportedSGLangError", "Workload", "WorkloadError",
+    "load_workload", "run", "workload_names",
+]

@@ -1,0 +1,386 @@
+"""Observation hooks inside the child process: they record SGLang's state and call through.
+
+Nothing here changes what SGLang computes. Each hook wraps one SGLang call site,
+records, and calls the original:
+
+- ``Scheduler.ingest_requests`` (instance): the step boundary; also where scripted
+  requests are fed in and where the run is stopped.
+- ``Scheduler._add_request_to_queue`` (instance): keeps a registry of every ``Req``.
+- ``Scheduler.process_batch_result`` (instance): completes the launch record.
+- ``resolve_forward_inputs`` (the name imported by ``scheduler`` and the MLX mixin):
+  relay reads; ``FutureMap.stash`` / ``stash_bonus_tokens`` (instance): relay writes.
+- The forward launch: the torch model-free forward calls :meth:`Recorder.on_torch_launch`;
+  on the MLX loop ``MlxTpModelWorker.async_forward_batch_generation_mlx`` (fresh) and
+  ``async_chained_decode_mlx`` (chained) are wrapped on the instance.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import time
+from typing import Any, Callable
+
+from contract_lib.workloads import RequestSpec, Workload
+
+Emit = Callable[[tuple], None]
+
+
+class StopRun(Exception):
+    """Raised at a step boundary once the workload is done (every request finished)."""
+
+
+class StepBudgetExceeded(Exception):
+    """Raised at a step boundary past the workload's ``max_steps``."""
+
+
+def _mode_name(batch) -> str | None:
+    if batch is None or batch.is_empty():
+        return None
+    return batch.forward_mode.name.lower()
+
+
+def _tolist(tensor) -> list:
+    return [] if tensor is None else tensor.tolist()
+
+
+class Recorder:
+    """Records frames of one run and streams them through ``emit`` as they are taken.
+
+    Messages are ``("row", table, row)`` and ``("update", table, key, value, fields)``;
+    a step's rows are emitted together at its boundary so a dying child loses nothing
+    that was taken.
+    """
+
+    def __init__(self, scheduler, loop: str, workload: Workload, emit: Emit) -> None:
+        self.s = scheduler
+        self.loop = loop
+        self.workload = workload
+        self.emit = emit
+        self.step = -1
+        self.reqs: dict[str, Any] = {}
+        self.fed: set[str] = set()
+        self.kv_computed: dict[str, int] = {}
+        self.latest_token: dict[str, int] = {}
+        self.launch_ct = 0
+        self.unprocessed: collections.deque[int] = collections.deque()
+        self.relay_written: dict[int, tuple[int, str | None, int | None]] = {}
+
+    # -- installation -------------------------------------------------------------------
+
+    def install(self) -> None:
+        s = self.s
+        real_ingest = s.ingest_requests
+        real_add = s._add_request_to_queue
+        real_process = s.process_batch_result
+
+        def ingest_requests(*args, **kwargs):
+            self.on_step_boundary()
+            return real_ingest(*args, **kwargs)
+
+        def add_request_to_queue(req, *args, **kwargs):
+            self.reqs.setdefault(req.rid, req)
+            return real_add(req, *args, **kwargs)
+
+        def process_batch_result(batch, result, *args, **kwargs):
+            self.on_processed(batch, result)
+            return real_process(batch, result, *args, **kwargs)
+
+        s.ingest_requests = ingest_requests
+        s._add_request_to_queue = add_request_to_queue
+        s.process_batch_result = process_batch_result
+        self._install_relay_hooks()
+        if self.loop == "mlx":
+            self._install_mlx_launch_hooks()
+
+    def _install_relay_hooks(self) -> None:
+        from sglang.srt.managers import overlap_utils, scheduler as scheduler_module
+
+        future_map = self.s.future_map
+        future_map.output_tokens_buf.fill_(-1)  # poison: an unwritten row reads -1
+        real_resolve = overlap_utils.resolve_forward_inputs
+
+        def resolve_forward_inputs(batch, fmap):
+            self.on_relay_read(batch, fmap)
+            return real_resolve(batch, fmap)
+
+        scheduler_module.resolve_forward_inputs = resolve_forward_inputs
+        if self.loop == "mlx":
+            from sglang.srt.hardware_backend.mlx import scheduler_mixin
+
+            scheduler_mixin.resolve_forward_inputs = resolve_forward_inputs
+
+        real_stash = future_map.stash
+        real_stash_bonus = future_map.stash_bonus_tokens
+
+        def stash(indices, payload, *args, **kwargs):
+            out = real_stash(indices, payload, *args, **kwargs)
+            self.on_relay_write(indices, payload.bonus_tokens, "stash")
+            return out
+
+        def stash_bonus_tokens(indices, bonus_tokens, *args, **kwargs):
+            out = real_stash_bonus(indices, bonus_tokens, *args, **kwargs)
+            self.on_relay_write(indices, bonus_tokens, "stash_bonus_tokens")
+            return out
+
+        future_map.stash = stash
+        future_map.stash_bonus_tokens = stash_bonus_tokens
+
+    def _install_mlx_launch_hooks(self) -> None:
+        worker = self.s.tp_worker
+        real_fresh = worker.async_forward_batch_generation_mlx
+        real_chained = worker.async_chained_decode_mlx
+        real_finalize = worker.finalize_mlx_result
+
+        def async_forward_batch_generation_mlx(batch):
+            launch = real_fresh(batch)
+            self.on_mlx_launch(launch, batch, chained=False)
+            return launch
+
+        def async_chained_decode_mlx(prev_pending):
+            launch = real_chained(prev_pending)
+            self.on_mlx_launch(launch, None, chained=True)
+            return launch
+
+        def finalize_mlx_result(launch, reqs):
+            result = real_finalize(launch, reqs)
+            if result.next_token_ids is not None:
+                for req, token in zip(reqs, result.next_token_ids.tolist()):
+                    self.latest_token[req.rid] = token
+            return result
+
+        worker.async_forward_batch_generation_mlx = async_forward_batch_generation_mlx
+        worker.async_chained_decode_mlx = async_chained_decode_mlx
+        worker.finalize_mlx_result = finalize_mlx_result
+
+    # -- launches -------------------------------------------------------------------------
+
+    def _record_launch(self, *, forward_iter, launch_ts, mode, chained, rids) -> None:
+        self.launch_ct += 1
+        self.unprocessed.append(self.launch_ct)
+        self.emit(("row", "launches", {
+            "launch": self.launch_ct, "step": self.step, "loop": self.loop,
+            "forward_ct": self.s.forward_ct, "forward_iter": forward_iter,
+            "launch_ts": launch_ts, "mode": mode, "chained": chained,
+            "rids": ",".join(rids), "processed_step": None,
+            "processed_forward_iter": None, "processed_launch_ts": None,
+        }))
+
+    def on_torch_launch(self, batch, tokens: list[int]) -> None:
+        """Called by the torch model-free forward with the batch and the tokens it made."""
+        rids = [req.rid for req in batch.reqs]
+        for rid, seq_len, token in zip(rids, batch.seq_lens.tolist(), tokens):
+            self.kv_computed[rid] = int(seq_len)
+            self.latest_token[rid] = int(token)
+        self._record_launch(forward_iter=batch.forward_iter, launch_ts=batch.launch_ts,
+                            mode=_mode_name(batch), chained=False, rids=rids)
+
+    def on_mlx_launch(self, launch, batch, *, chained: bool) -> None:
+        rids = []
+        for pending in (*launch.prefills, *launch.extends):
+            self.kv_computed[pending.req_id] = int(pending.cache[0].offset)
+            rids.append(pending.req_id)
+        if launch.decode is not None:
+            for rid, cache in zip(launch.decode.req_ids, launch.decode.caches):
+                self.kv_computed[rid] = int(cache[0].offset)
+                rids.append(rid)
+        if batch is not None:
+            rids = [req.rid for req in batch.reqs]
+            forward_iter, launch_ts, mode = batch.forward_iter, batch.launch_ts, _mode_name(batch)
+        else:
+            forward_iter, launch_ts, mode = None, None, "decode"
+        self._record_launch(forward_iter=forward_iter, launch_ts=launch_ts, mode=mode,
+                            chained=chained, rids=rids)
+
+    def on_processed(self, batch, result) -> None:
+        if not self.unprocessed:
+            return
+        launch = self.unprocessed.popleft()
+        self.emit(("update", "launches", "launch", launch, {
+            "processed_step": self.step,
+            "processed_forward_iter": batch.forward_iter,
+            "processed_launch_ts": batch.launch_ts,
+        }))
+
+    # -- relay ------------------------------------------------------------------------------
+
+    def _row_owner(self, row: int) -> str | None:
+        for rid, req in self.reqs.items():
+            if req.kv.req_pool_idx == row and not req.finished():
+                return rid
+        return None
+
+    def on_relay_read(self, batch, future_map) -> None:
+        if batch.prefill_input_ids_cpu is not None:
+            if batch.mix_running_indices is None:
+                return
+            rows, kind = _tolist(batch.mix_running_indices), "mixed"
+            rids = [req.rid for req in batch.reqs[len(batch.reqs) - len(rows):]]
+        elif batch.input_ids is None and future_map.spec_algo.is_none():
+            rows, kind = _tolist(batch.req_pool_indices), "decode"
+            rids = [req.rid for req in batch.reqs]
+        else:
+            return
+        values = future_map.output_tokens_buf[rows].tolist() if rows else []
+        for row, rid, value in zip(rows, rids, values):
+            written = self.relay_written.get(row)
+            last_value, last_rid = (written[0], written[1]) if written else (None, None)
+            published = (written is not None and last_rid == rid
+                         and last_value == self.latest_token.get(rid))
+            self.emit(("row", "relay", {
+                "event": "read", "step": self.step, "launch": self.launch_ct + 1,
+                "loop": self.loop, "kind": kind, "row": row, "rid": rid, "value": value,
+                "last_published": last_value, "published_for_rid": published,
+            }))
+
+    def on_relay_write(self, indices, tokens, kind: str) -> None:
+        for row, value in zip(_tolist(indices), _tolist(tokens)):
+            rid = self._row_owner(row)
+            self.relay_written[row] = (int(value), rid, self.launch_ct)
+            self.emit(("row", "relay", {
+                "event": "write", "step": self.step, "launch": self.launch_ct,
+                "loop": self.loop, "kind": kind, "row": row, "rid": rid, "value": int(value),
+                "last_published": None, "published_for_rid": None,
+            }))
+
+    # -- step boundary ----------------------------------------------------------------------
+
+    def on_step_boundary(self) -> None:
+        self.step += 1
+        self.snapshot()
+        if self.done():
+            raise StopRun()
+        if self.step >= self.workload.max_steps:
+            raise StepBudgetExceeded(
+                f"workload {self.workload.name!r} did not finish within its step budget "
+                f"of {self.workload.max_steps} steps")
+        self.feed()
+
+    def done(self) -> bool:
+        return (len(self.fed) == len(self.workload.requests)
+                and all(req.finished() for req in self.reqs.values())
+                and len(self.reqs) == len(self.workload.requests)
+                and not getattr(self.s, "result_queue", None))
+
+    def feed(self) -> None:
+        for spec in self.workload.requests:
+            if spec.rid in self.fed or spec.arrival > self.step:
+                continue
+            prompt = list(spec.prompt)
+            if spec.turn_of is not None:
+                parent = self.reqs.get(spec.turn_of)
+                if parent is None or not parent.finished():
+                    continue
+                prompt = list(parent.origin_input_ids) + list(parent.output_ids) + prompt
+            self.s.request_receiver.pending.append(_tokenized_request(spec, prompt))
+            self.fed.add(spec.rid)
+
+    def snapshot(self) -> None:
+        s, step = self.s, self.step
+        running, last = s.running_batch, s.last_batch
+        self.emit(("row", "steps", {
+            "step": step, "loop": self.loop, "forward_ct": s.forward_ct,
+            "result_queue_len": len(getattr(s, "result_queue", ()) or ()),
+            "is_fully_idle": bool(s.is_fully_idle()), "idle_probe": self._idle_probe(),
+            "enable_overlap": bool(s.enable_overlap),
+            "enable_overlap_mlx": bool(s.enable_overlap_mlx),
+            "running_bs": 0 if running is None else len(running.reqs),
+            "running_mode": _mode_name(running), "last_batch_mode": _mode_name(last),
+            "waiting_len": len(s.waiting_queue), **self._pool_terms(),
+            "wall_time": time.monotonic(),
+        }))
+        free = self._free_slots()
+        rtt = s.req_to_token_pool.req_to_token
+        for rid, req in self.reqs.items():
+            kv = req.kv
+            row = kv.req_pool_idx
+            self.emit(("row", "requests", {
+                "step": step, "rid": rid, "prompt_len": len(req.origin_input_ids),
+                "emitted": len(req.output_ids), "finished": bool(req.finished()),
+                "req_pool_idx": row, "seq_len": self._seq_len(req, running, last),
+                "kv_computed": self.kv_computed.get(rid),
+                "kv_committed_len": kv.kv_committed_len,
+                "kv_allocated_len": kv.kv_allocated_len,
+                "cache_protected_len": kv.cache_protected_len,
+                "cached_tokens": req.cached_tokens,
+            }))
+            if row is None or req.finished():
+                continue
+            width = max(self.kv_computed.get(rid, 0), kv.kv_allocated_len)
+            for position, slot in enumerate(rtt[row, :width].tolist()):
+                self.emit(("row", "slots", {
+                    "step": step, "rid": rid, "req_pool_idx": row, "position": position,
+                    "slot": slot, "slot_free": slot in free,
+                }))
+
+    def _idle_probe(self) -> bool:
+        """``is_fully_idle()`` with every term but the in-flight one masked to idle."""
+        s = self.s
+        saved = (s.running_batch, s.last_batch, s.chunked_req, s.waiting_queue)
+        try:
+            s.running_batch = _EmptyBatch()
+            s.last_batch, s.chunked_req, s.waiting_queue = None, None, []
+            return bool(s.is_fully_idle())
+        finally:
+            s.running_batch, s.last_batch, s.chunked_req, s.waiting_queue = saved
+
+    def _pool_terms(self) -> dict[str, Any]:
+        """SGLang's own KV pool conservation terms (``InvariantChecker``), and its verdict."""
+        checker = self.s.invariant_checker
+        stats = checker.pool_stats_observer.get_pool_stats()
+        uncached, _ = checker._get_total_uncached_sizes()
+        leak, _message = checker._check_full_pool(stats, uncached=uncached)
+        return {
+            "kv_total": int(self.s.max_total_num_tokens),
+            "kv_available": int(stats.full_available_size),
+            "kv_evictable": int(stats.full_evictable_size),
+            "kv_protected": int(self.s.tree_cache.protected_size()),
+            "kv_uncached": int(uncached), "pool_leak": bool(leak),
+        }
+
+    def _free_slots(self) -> set[int]:
+        allocator = self.s.token_to_kv_pool_allocator
+        return set(allocator.free_pages.tolist()) | set(allocator.release_pages.tolist())
+
+    @staticmethod
+    def _seq_len(req, running, last) -> int | None:
+        for batch in (running, last):
+            if batch is None or batch.is_empty() or batch.seq_lens is None:
+                continue
+            for i, other in enumerate(batch.reqs):
+                if other is req:
+                    return int(batch.seq_lens[i])
+        return None
+
+    def finish(self) -> None:
+        """Emit the outputs table (called once, whatever ended the run)."""
+        for rid, req in self.reqs.items():
+            for index, token in enumerate(req.output_ids):
+                self.emit(("row", "outputs", {"rid": rid, "index": index, "token": int(token)}))
+
+
+class _EmptyBatch:
+    """Stands in for the running batch during the idle probe."""
+
+    reqs: list = []
+
+    @staticmethod
+    def is_empty() -> bool:
+        return True
+
+
+def _tokenized_request(spec: RequestSpec, prompt: list[int]):
+    """A real ``TokenizedGenerateReqInput``, greedy, as the tokenizer manager would send."""
+    from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from contract_lib.shims import VOCAB_SIZE
+
+    params = SamplingParams(max_new_tokens=spec.max_new_tokens, temperature=0.0)
+    params.normalize(None)
+    params.verify(VOCAB_SIZE)
+    return TokenizedGenerateReqInput(
+        rid=spec.rid, input_text=None, input_ids=array.array("q", prompt),
+        input_embeds=None, mm_inputs=None, token_type_ids=None, sampling_params=params,
+        return_logprob=False, logprob_start_len=-1, top_logprobs_num=0,
+        token_ids_logprob=None, stream=False)

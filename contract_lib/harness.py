@@ -1,0 +1,253 @@
+"""Run a workload through one of SGLang's real scheduler loops, in a child process.
+
+One run = one child process = one real ``Scheduler`` built by its own ``__init__`` and
+entered through ``run_event_loop()``. The child streams every frame row to the parent as
+it is taken, so a crash, a hang or a dying child loses nothing already captured.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Callable
+
+from contract_lib.frames import Frames
+from contract_lib.versions import require_supported_sglang
+from contract_lib.workloads import Workload, load_workload
+
+LOOPS = ("normal", "overlap", "mlx")
+MODEL_DIR = Path(__file__).resolve().parent.parent / "data" / "model"
+
+# The server args every run starts from (a CPU, model-free, deterministic scheduler);
+# a workload's [server_args] and the caller's overrides are applied on top.
+BASE_SERVER_ARGS: dict[str, Any] = {
+    "device": "cpu",
+    "skip_tokenizer_init": True,
+    "load_format": "dummy",
+    "max_total_tokens": 2048,
+    "max_running_requests": 8,
+    "attention_backend": "torch_native",
+    "sampling_backend": "pytorch",
+    "disable_cuda_graph": True,
+    "random_seed": 0,
+}
+
+# Seconds without any message from the child before the run is declared hung.
+DEFAULT_HANG_TIMEOUT_S = 300.0
+
+
+class RunSetupError(ValueError):
+    """Bad input to :func:`run`: an unknown loop, workload or patch."""
+
+
+def run(
+    workload: str | Workload,
+    loop: str,
+    *,
+    patch: str | Callable[[], None] | None = None,
+    server_args: dict[str, Any] | None = None,
+    hang_timeout: float = DEFAULT_HANG_TIMEOUT_S,
+) -> Frames:
+    """Drive ``workload`` through ``loop`` and return its frames, whatever happened.
+
+    ``patch`` is a built-in patch name, ``"module:callable"``, or an importable callable
+    (see :mod:`contract_lib.patches`); it runs in the child before the Scheduler is built.
+    The returned frames carry ``status`` (``finished``, ``crashed``, ``timeout``, ``died``)
+    and, unless finished, ``error``.
+    """
+    from contract_lib.patches import patch_spec
+
+    if loop not in LOOPS:
+        raise RunSetupError(f"unknown loop {loop!r}; valid loops: {', '.join(LOOPS)}")
+    if not isinstance(workload, Workload):
+        workload = load_workload(workload)
+    spec = {
+        "workload": workload.to_dict(),
+        "loop": loop,
+        "patch": patch_spec(patch),
+        "server_args": dict(server_args or {}),
+    }
+    meta = {
+        "workload": workload.name,
+        "loop": loop,
+        "patch": spec["patch"],
+        "server_args": {**workload.server_args, **spec["server_args"]},
+        "sglang_version": require_supported_sglang(),
+    }
+    return _run_child(spec, meta, hang_timeout)
+
+
+def _run_child(spec: dict[str, Any], meta: dict[str, Any], hang_timeout: float) -> Frames:
+    rows: dict[str, list[dict[str, Any]]] = {}
+    index: dict[tuple[str, Any], dict[str, Any]] = {}
+    end: tuple | None = None
+    log_fd, log_path = tempfile.mkstemp(prefix="contract_lib-", suffix=".log")
+    read_fd, write_fd = os.pipe()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    child = subprocess.Popen(
+        [sys.executable, "-c", "from contract_lib.harness import _child_entry; _child_entry()",
+         str(write_fd)],
+        stdin=subprocess.PIPE, stdout=log_fd, stderr=log_fd, pass_fds=(write_fd,), env=env)
+    os.close(write_fd)
+    os.close(log_fd)
+    child.stdin.write(pickle.dumps(spec))
+    child.stdin.close()
+    receiver = Connection(read_fd, writable=False)
+    last_message = time.monotonic()
+    hung = False
+    while True:
+        if receiver.poll(1.0):
+            try:
+                message = receiver.recv()
+            except EOFError:
+                break
+            last_message = time.monotonic()
+            kind = message[0]
+            if kind == "row":
+                _, table, row = message
+                rows.setdefault(table, []).append(row)
+                if table == "launches":
+                    index[(table, row["launch"])] = row
+            elif kind == "update":
+                _, table, _key, value, fields = message
+                index[(table, value)].update(fields)
+            elif kind == "meta":
+                meta.update(message[1])
+            elif kind == "end":
+                end = message
+        elif child.poll() is not None:
+            break
+        elif time.monotonic() - last_message > hang_timeout:
+            hung = True
+            child.kill()
+            break
+    receiver.close()
+    child.wait(timeout=30)
+    log_tail = _tail(log_path)
+    os.unlink(log_path)
+
+    if end is not None:
+        _, status, error = end
+    elif hung:
+        status, error = "timeout", {
+            "type": "Hang", "phase": "loop",
+            "message": f"no frame from the child for {hang_timeout:.0f} s; killed it",
+            "traceback": None, "signal": None, "log_tail": log_tail}
+    else:
+        code = child.returncode
+        signame = signal.Signals(-code).name if code is not None and code < 0 else None
+        status, error = "died", {
+            "type": "ChildDied", "phase": "loop" if rows.get("steps") else "setup",
+            "message": (f"the child process died with {signame}" if signame
+                        else f"the child process exited with code {code}"),
+            "traceback": None, "signal": signame, "exit_code": code, "log_tail": log_tail}
+    if error is not None and "log_tail" not in error:
+        error["log_tail"] = log_tail
+    meta.update({"status": status, "error": error, "steps": len(rows.get("steps", []))})
+    return Frames.from_rows(rows, meta)
+
+
+def _tail(path: str, lines: int = 40) -> str:
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+# ------------------------------------------------------------------------------------------
+# The child.
+# ------------------------------------------------------------------------------------------
+
+
+def _child_entry() -> None:
+    """Entry point of the child process: the run spec arrives pickled on stdin, messages
+    go back on the pipe whose fd is ``argv[1]``; stdout and stderr go to the run's log."""
+    spec = pickle.loads(sys.stdin.buffer.read())
+    conn = Connection(int(sys.argv[1]), readable=False)
+    emit = conn.send
+    recorder = None
+    phase = "setup"
+    status, error = "finished", None
+    try:
+        scheduler, recorder = _build(spec, emit)
+        phase = "loop"
+        scheduler.run_event_loop()
+        status, error = "crashed", _error("loop returned without finishing the workload")
+    except BaseException as exc:  # noqa: BLE001 - every fault is reported, not raised
+        from contract_lib.capture import StepBudgetExceeded, StopRun
+
+        if isinstance(exc, StopRun):
+            status, error = "finished", None
+        elif isinstance(exc, StepBudgetExceeded):
+            status, error = "timeout", _error(str(exc), exc, phase)
+        else:
+            status, error = "crashed", _error(str(exc), exc, phase)
+    if recorder is not None:
+        recorder.finish()
+    emit(("end", status, error))
+    conn.close()
+    os._exit(0)  # skip SGLang's atexit teardown; everything was sent
+
+
+def _error(message: str, exc: BaseException | None = None, phase: str = "loop") -> dict:
+    return {
+        "type": type(exc).__name__ if exc else "RuntimeError",
+        "phase": phase,
+        "message": message,
+        "traceback": "".join(traceback.format_exception(exc)) if exc else None,
+        "signal": None,
+    }
+
+
+def _build(spec: dict[str, Any], emit):
+    loop = spec["loop"]
+    if loop == "mlx":
+        os.environ["SGLANG_USE_MLX"] = "1"
+    from contract_lib import shims
+
+    applied = shims.install_import_shims()
+    from sglang.srt import runtime_context
+    from sglang.srt.server_args import PortArgs, ServerArgs
+
+    from contract_lib.capture import Recorder
+    from contract_lib.patches import apply_patch
+
+    holder: dict[str, Recorder] = {}
+    shims.install_torch_model_free_forward(
+        lambda batch, tokens: holder["recorder"].on_torch_launch(batch, tokens))
+    applied.append("torch-model-free-forward")
+    if loop == "mlx":
+        if shims.install_mlx_runtime_gate_shim():
+            applied.append("mlx-runtime-gate")
+        shims.install_mlx_model_free_runner()
+        applied.append("mlx-model-free-runner")
+    apply_patch(spec["patch"])
+
+    workload = Workload.from_dict(spec["workload"])
+    args = {**BASE_SERVER_ARGS, "model_path": str(MODEL_DIR),
+            "disable_overlap_schedule": loop == "normal",
+            **workload.server_args, **spec["server_args"]}
+    server_args = ServerArgs(**args)
+    port_args = PortArgs.init_new(server_args)
+    runtime_context.publish(server_args, role="scheduler", ranks=runtime_context.SpawnRanks(
+        world_rank=0, dp_rank=None, gpu_id=0))
+    scheduler_class = shims.scheduler_class_for(loop)
+    if scheduler_class.__name__ != "Scheduler":
+        applied.append("mlx-overlap-mixin")
+    scheduler = scheduler_class(server_args, port_args)
+    scheduler.request_receiver = shims.ScriptedReceiver()
+    applied.append("scripted-ingress")
+    emit(("meta", {"shims": applied}))
+    recorder = Recorder(scheduler, loop, workload, emit)
+    holder["recorder"] = recorder
+    recorder.install()
+    return scheduler, recorder

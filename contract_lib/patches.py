@@ -1,0 +1,193 @@
+"""Patches: apply a change to the real SGLang code for one run, inside the child process.
+
+A patch is a callable with no arguments, run after the shims are installed and before
+the ``Scheduler`` is built. It is named one of three ways:
+
+- a built-in name from :data:`BUILTIN_PATCHES` (replays of the July bugs, candidate fixes);
+- ``"package.module:callable"`` for a patch of your own (the module must be importable
+  in the child: it inherits the parent's ``sys.path``);
+- a callable defined at the top level of an importable module (not in ``__main__`` or a
+  notebook cell: the child is a fresh process and imports it by name).
+
+Most built-ins are *source patches* (:func:`patch_source`): they take the installed
+function's source, replace exact snippets and recompile it in its own module, so each
+patch reads like a diff against SGLang and fails loudly when the code it expects has
+moved (an unsupported release).
+"""
+
+from __future__ import annotations
+
+import __future__
+import dataclasses
+import importlib
+import inspect
+import textwrap
+from typing import Callable
+
+
+class PatchError(ValueError):
+    """An unknown patch, or a source patch whose anchor is not in the installed code."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """A built-in patch: its name, what it does, and the bug it replays or fixes."""
+
+    name: str
+    summary: str
+    apply: Callable[[], None]
+    bug: str
+
+
+def patch_source(owner: object, name: str, replacements: list[tuple[str, str]],
+                 label: str) -> None:
+    """Replace exact snippets in the source of ``owner.name`` and install the result.
+
+    Each ``(old, new)`` must occur exactly once. The new function is compiled in the
+    original's module globals, with the original decorators re-applied from the source.
+    """
+    original = inspect.getattr_static(owner, name)
+    function = inspect.unwrap(original)
+    source = textwrap.dedent(inspect.getsource(function))
+    for old, new in replacements:
+        count = source.count(old)
+        if count != 1:
+            raise PatchError(
+                f"patch {label!r}: expected one occurrence of {old.strip()[:60]!r} in "
+                f"{function.__qualname__}, found {count}; the installed SGLang differs "
+                "from the release this patch was written for")
+        source = source.replace(old, new)
+    if "super()" in source:
+        raise PatchError(f"patch {label!r}: cannot recompile {name} (uses super())")
+    module = inspect.getmodule(function)
+    flags = 0
+    if getattr(module, "annotations", None) is __future__.annotations:
+        flags |= __future__.annotations.compiler_flag
+    code = compile(source, f"<patch {label}: {function.__code__.co_filename}>", "exec",
+                   flags=flags, dont_inherit=True)
+    namespace = dict(module.__dict__)
+    exec(code, namespace)  # noqa: S102 - compiling a reviewed patch of SGLang's own code
+    setattr(owner, name, namespace[name])
+
+
+# -- built-in patches ------------------------------------------------------------------------
+
+
+def _mlx_mixin():
+    from sglang.srt.hardware_backend.mlx.scheduler_mixin import SchedulerMlxOverlapMixin
+
+    return SchedulerMlxOverlapMixin
+
+
+def no_forward_ct() -> None:
+    """#29217 (June): the MLX launch bypasses ``run_batch``'s ``forward_ct += 1`` and the
+    profiler predicate. ``forward_iter`` is stamped with the stale counter (0.5.23's
+    ``_record_step_counters`` would otherwise raise on ``None``); ``launch_ts`` is kept
+    so the replay isolates ``forward_ct``."""
+    patch_source(_mlx_mixin(), "_prepare_mlx_launch", [
+        ("self.forward_ct += 1\n", ""),
+        ("self.profiler_manager._profile_batch_predicate(batch)\n", ""),
+    ], "no-forward-ct")
+
+
+def no_launch_ts() -> None:
+    """#32245 (July, fixed by #32447): ``_record_step_counters`` reads ``launch_ts``,
+    which only ``run_batch`` stamped: ``TypeError`` on the first processed batch."""
+    patch_source(_mlx_mixin(), "_prepare_mlx_launch", [
+        ("batch.launch_ts = time.monotonic()\n", ""),
+    ], "no-launch-ts")
+
+
+def fix_chained_accounting() -> None:
+    """#30093, the approach of #33874 / #40046: every chained continuation runs
+    ``prepare_for_decode`` on the live batch (allocation, ``req_to_token``, counters),
+    and the loop declines to chain when ``check_decode_mem()`` says the step won't fit."""
+    patch_source(_mlx_mixin(), "event_loop_overlap_mlx", [
+        ("            batch_copy = prev.batch_copy.copy()\n",
+         "            prev.schedule_batch.prepare_for_decode()\n"
+         "            batch_copy = prev.schedule_batch.copy()\n"),
+        ("                and not self.waiting_queue\n            )",
+         "                and not self.waiting_queue\n"
+         "                and pending_curr.schedule_batch.check_decode_mem()\n            )"),
+    ], "fix-chained-accounting")
+
+
+def fix_idle_predicate() -> None:
+    """#32934: the in-flight term of ``is_fully_idle`` tests either overlap loop."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    patch_source(Scheduler, "is_fully_idle", [
+        ("(not self.enable_overlap or len(self.result_queue) == 0)",
+         "(not (self.enable_overlap or self.enable_overlap_mlx)"
+         " or len(self.result_queue) == 0)"),
+    ], "fix-idle-predicate")
+
+
+def skip_relay_publish() -> None:
+    """A deliberate break on the torch loops (no upstream bug): ``run_batch`` never
+    stashes sampled tokens into ``future_map.output_tokens_buf``, so the next decode
+    reads a row nobody published. Shows clause 4 failing on a reference loop."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    patch_source(Scheduler, "_relay_forward_payload", [
+        ("        self.future_map.stash(future_indices, payload)\n", ""),
+    ], "skip-relay-publish")
+
+
+BUILTIN_PATCHES: dict[str, Patch] = {
+    patch.name: patch
+    for patch in (
+        Patch("no-forward-ct", "MLX launch without the forward_ct advance and profiler "
+              "predicate", no_forward_ct, "#29217"),
+        Patch("no-launch-ts", "MLX launch without the launch_ts stamp (TypeError at "
+              "startup)", no_launch_ts, "#32245 (fixed by #32447)"),
+        Patch("fix-chained-accounting", "chained MLX decode runs prepare_for_decode, "
+              "gated on check_decode_mem", fix_chained_accounting,
+              "#30093 (approach of #33874, #40046)"),
+        Patch("fix-idle-predicate", "is_fully_idle's queue term tests either overlap loop",
+              fix_idle_predicate, "#32934"),
+        Patch("skip-relay-publish", "torch run_batch skips the FutureMap relay publish "
+              "(a deliberate break)", skip_relay_publish, "none (demonstration)"),
+    )
+}
+
+
+def patch_spec(patch: str | Callable[[], None] | None) -> str | None:
+    """Validate a patch given to :func:`contract_lib.run` and return its string form."""
+    if patch is None:
+        return None
+    if callable(patch):
+        module, qualname = patch.__module__, patch.__qualname__
+        if module == "__main__" or "<" in qualname:
+            raise PatchError(
+                f"patch {qualname!r} is defined in {module!r}; the child process cannot "
+                "import it. Put it at the top level of a .py module and pass "
+                "'module:function'")
+        return f"{module}:{qualname}"
+    if patch in BUILTIN_PATCHES or ":" in patch:
+        return patch
+    raise PatchError(
+        f"unknown patch {patch!r}; built-in patches: {', '.join(BUILTIN_PATCHES)} "
+        "(or 'package.module:callable')")
+
+
+def resolve_patch(spec: str) -> Callable[[], None]:
+    """The callable a patch spec names (imports the module for ``module:callable``)."""
+    if spec in BUILTIN_PATCHES:
+        return BUILTIN_PATCHES[spec].apply
+    module_name, _, attr = spec.partition(":")
+    try:
+        target: object = importlib.import_module(module_name)
+        for part in attr.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError) as exc:
+        raise PatchError(f"patch {spec!r}: cannot import it ({exc})") from exc
+    if not callable(target):
+        raise PatchError(f"patch {spec!r} is not callable")
+    return target
+
+
+def apply_patch(spec: str | None) -> None:
+    """Apply a patch spec inside the child (no-op for None)."""
+    if spec is not None:
+        resolve_patch(spec)()

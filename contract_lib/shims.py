@@ -1,0 +1,454 @@
+"""Every replacement this project makes to SGLang, in one place, each with its reason.
+
+Principle: fake the model, never the scheduling logic under test. What is replaced here is
+exactly three things, and nothing else in the package replaces SGLang behaviour:
+
+1. **Platform gates** (import-time and runtime) that stop SGLang's MLX backend, or SGLang
+   itself, from loading on a Linux CPU machine. None of them is applied where SGLang's own
+   gate passes (Apple Silicon with MPS and Metal).
+2. **The model boundary**: the torch forward (``TpModelWorker.forward_batch_generation``)
+   and the MLX runner (``MlxModelRunner``) become a deterministic next-token function.
+   The MLX replacement returns SGLang's real ``MlxPendingPrefill/Extend/Decode`` holding
+   *lazy* ``mlx.core`` arrays, so ``mx.async_eval``, chaining on still-lazy tokens and the
+   blocking ``.tolist()`` are real.
+3. **Request ingress**: the zmq receiver becomes a scripted one that hands SGLang real
+   ``TokenizedGenerateReqInput`` objects at chosen loop iterations.
+
+The capture hooks in :mod:`contract_lib.capture` only observe (they call through).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+import sys
+import types
+from typing import Any, Callable
+from unittest import mock
+
+# The vocabulary of the fake model. Token ids 0..9 are never emitted, which keeps
+# SGLang's EOS (id 2 in the shipped config) and other special ids out of the way.
+VOCAB_SIZE = 512
+FIRST_ORDINARY_TOKEN = 10
+
+
+def next_token(last_token: int, seq_len: int) -> int:
+    """The fake model: the token that follows ``last_token`` in a sequence of ``seq_len``.
+
+    ``seq_len`` counts every token whose KV the step has computed, the input token
+    included. It depends only on the request's own history, so every loop emits the
+    same tokens when it computes the right positions.
+    """
+    span = VOCAB_SIZE - FIRST_ORDINARY_TOKEN
+    return FIRST_ORDINARY_TOKEN + (last_token * 31 + seq_len * 17 + 7) % span
+
+
+def on_apple_silicon_with_mlx() -> bool:
+    """True where SGLang's own MLX gate would pass (then no gate shim is applied)."""
+    if sys.platform != "darwin" or platform.machine() != "arm64":
+        return False
+    try:
+        import torch
+        import mlx.core as mx
+    except ImportError:
+        return False
+    return bool(torch.backends.mps.is_available() and mx.metal.is_available())
+
+
+# --------------------------------------------------------------------------------------
+# 1. Import-time platform gates (must run before the first ``import sglang``).
+# --------------------------------------------------------------------------------------
+
+
+def install_import_shims() -> list[str]:
+    """Make ``import sglang.srt.managers.scheduler`` possible on Linux CPU.
+
+    Returns the names of the shims applied (empty on a machine that needs none).
+    """
+    applied = []
+    if importlib.util.find_spec("triton") is None:
+        _install_sglang_triton_standin()
+        applied.append("triton-standin")
+    if importlib.util.find_spec("torchvision") is None:
+        _install_torchvision_placeholder()
+        applied.append("torchvision-placeholder")
+    return applied
+
+
+def _install_sglang_triton_standin() -> None:
+    """Load SGLang's own Triton stand-in (``sglang/_platform_stubs.py``).
+
+    Why: ``sglang/srt/utils/common.py`` does ``import triton`` unconditionally; real
+    triton is ~900 MB and has no use without a GPU. SGLang ships a complete stand-in for
+    macOS, but installs it only when ``sys.platform == "darwin"``, the machine is arm64
+    and MPS is available. We load that file directly (not through ``sglang/__init__``,
+    which would import triton first) and call it with the three gate inputs answering
+    "Apple"; its MPS-only patches touch ``torch.mps`` attributes and ``non_blocking``
+    copies *to MPS*, neither of which a CPU run uses.
+    """
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("sglang is not installed")
+    path = f"{list(spec.submodule_search_locations)[0]}/_platform_stubs.py"
+    stub_spec = importlib.util.spec_from_file_location("_contract_lib_sglang_platform_stubs", path)
+    module = importlib.util.module_from_spec(stub_spec)
+    sys.modules[stub_spec.name] = module
+    stub_spec.loader.exec_module(module)
+    import torch
+
+    with (
+        mock.patch.object(module.sys, "platform", "darwin"),
+        mock.patch.object(module.platform, "machine", lambda: "arm64"),
+        mock.patch.object(torch.backends.mps, "is_available", lambda: True),
+    ):
+        module.install_platform_stubs()
+
+
+class _AnyAttribute(types.ModuleType):
+    """A module whose every missing attribute is a further placeholder (a class)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        placeholder = type(name, (), {"__getattr__": lambda self, attr: attr})
+        setattr(self, name, placeholder)
+        return placeholder
+
+
+class _InterpolationModeMeta(type):
+    def __getattr__(cls, name: str) -> str:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return name
+
+
+def _install_torchvision_placeholder() -> None:
+    """Register an import-only ``torchvision`` placeholder.
+
+    Why: ``managers/scheduler`` → ``schedule_batch`` → ``configs`` → ``nano_nemotron_vl``
+    → ``multimodal/internvl_utils`` does ``import torchvision.transforms as T`` at import
+    time. PyPI's torchvision wheels are CUDA builds that fail against CPU torch
+    (``operator torchvision::nms does not exist``) or replace torch with a 6 GB CUDA
+    stack. A text-only scheduler run never calls torchvision. transformers then sees
+    torchvision as present, so ``InterpolationMode`` must answer attribute access.
+    """
+    names = [
+        "torchvision",
+        "torchvision.transforms",
+        "torchvision.transforms.functional",
+        "torchvision.transforms.v2",
+        "torchvision.transforms.v2.functional",
+        "torchvision.io",
+        "torchvision.ops",
+        "torchvision.models",
+        "torchvision.utils",
+    ]
+    modules = {}
+    for name in names:
+        module = _AnyAttribute(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, loader=None, is_package=True)
+        module.__path__ = []
+        module.__version__ = "0.0.0+contract-lib-placeholder"
+        modules[name] = module
+        sys.modules[name] = module
+    mode = _InterpolationModeMeta("InterpolationMode", (), {})
+    for name in ("torchvision.transforms", "torchvision.transforms.functional",
+                 "torchvision.transforms.v2", "torchvision.transforms.v2.functional"):
+        modules[name].InterpolationMode = mode
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(modules[parent], child, modules[name])
+
+
+# --------------------------------------------------------------------------------------
+# 2. Runtime platform gates for the MLX loop.
+# --------------------------------------------------------------------------------------
+
+
+def install_mlx_runtime_gate_shim() -> bool:
+    """Let ``use_mlx()`` answer True on Linux with ``SGLANG_USE_MLX=1``.
+
+    Why: ``hardware_backend/mlx/runtime._validate_runtime`` demands an MPS device and a
+    Metal device; on Linux MLX runs on its CPU backend (``mlx[cpu]``), which is enough
+    for the lazy-graph semantics the loop relies on. Returns False (no shim) where the
+    real gate passes.
+    """
+    if on_apple_silicon_with_mlx():
+        return False
+    from sglang.srt.hardware_backend.mlx import runtime
+
+    runtime._validate_runtime = lambda: None
+    runtime.use_mlx.cache_clear()
+    return True
+
+
+def scheduler_class_for(loop: str) -> type:
+    """SGLang's ``Scheduler``, with the real MLX overlap mixin where the loop needs it.
+
+    Why: ``managers/scheduler.py`` imports ``SchedulerMlxOverlapMixin`` only ``if
+    is_mps()`` and otherwise defines an empty placeholder, so on Linux ``Scheduler`` has
+    no ``event_loop_overlap_mlx``. The subclass adds the real mixin after the
+    placeholder in the MRO; nothing is overridden.
+    """
+    from sglang.srt.managers.scheduler import Scheduler
+
+    if loop != "mlx" or hasattr(Scheduler, "event_loop_overlap_mlx"):
+        return Scheduler
+    from sglang.srt.hardware_backend.mlx.scheduler_mixin import SchedulerMlxOverlapMixin
+
+    return type("SchedulerWithMlxOverlapMixin", (Scheduler, SchedulerMlxOverlapMixin), {})
+
+
+# --------------------------------------------------------------------------------------
+# 3. The model boundary.
+# --------------------------------------------------------------------------------------
+
+
+def install_torch_model_free_forward(on_launch: Callable[[Any, list[int]], None]) -> None:
+    """Torch loops: SGLang's bookkeeping-only runner, and a next-token function as forward.
+
+    Why: there are no weights to load. ``TpModelWorker._init_model_runner`` builds
+    SGLang's own ``MlxModelRunnerStub``, which creates the real ``ReqToTokenPool`` and
+    ``TokenToKVPoolAllocator`` over a zero-byte KV cache and loads nothing. The forward
+    reads the real resolved ``batch.input_ids`` (decode: one id per request, relayed
+    through the FutureMap; extend: each request's segment) and ``batch.seq_lens``.
+    ``on_launch(batch, tokens)`` is the capture hook, called at every forward launch.
+    """
+    import torch
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+    from sglang.srt.managers.tp_worker import TpModelWorker
+    from sglang.srt.managers.utils import GenerationBatchResult
+
+    def _init_model_runner(self) -> None:
+        from sglang.srt.hardware_backend.mlx.model_runner_stub import MlxModelRunnerStub
+        from sglang.srt.runtime_context import get_schedule
+
+        self._model_runner = MlxModelRunnerStub(
+            model_config=self.model_config,
+            mem_fraction_static=get_schedule().mem_fraction_static,
+            gpu_id=self.gpu_id,
+            nccl_port=self.nccl_port,
+            server_args=self.server_args,
+            is_draft_worker=self.is_draft_worker,
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
+            memory_pool_config=self.memory_pool_config,
+            mlx_pool_size=get_schedule().max_total_tokens,
+        )
+
+    def forward_batch_generation(self, batch, *args, **kwargs):
+        input_ids = batch.input_ids.tolist()
+        seq_lens = batch.seq_lens.tolist()
+        if batch.forward_mode.is_decode():
+            last_ids = input_ids
+        else:
+            ends, offset = [], 0
+            for n in batch.extend_lens:
+                offset += n
+                ends.append(offset - 1)
+            last_ids = [input_ids[e] for e in ends]
+            # A mixed batch appends one relayed id per running request after the
+            # prefill segments (``resolve_forward_inputs``).
+            last_ids += input_ids[offset:]
+        tokens = [next_token(t, n) for t, n in zip(last_ids, seq_lens)]
+        on_launch(batch, tokens)
+        return GenerationBatchResult(
+            logits_output=LogitsProcessorOutput(next_token_logits=None),
+            next_token_ids=torch.tensor(tokens, dtype=torch.int64),
+            can_run_cuda_graph=False,
+        )
+
+    TpModelWorker._init_model_runner = _init_model_runner
+    TpModelWorker.forward_batch_generation = forward_batch_generation
+
+
+class _ModelFreeCache:
+    """Per-request stand-in for the MLX contiguous KV cache: only its ``offset``.
+
+    As in the real ``MLXAttentionWrapper.write_token``, the offset advances when a step's
+    graph is *built*, not when it is evaluated.
+    """
+
+    def __init__(self, offset: int) -> None:
+        self.offset = offset
+
+
+class ModelFreeMlxRunner:
+    """Replaces ``hardware_backend.mlx.model_runner.MlxModelRunner`` on the MLX loop.
+
+    Why: the real runner loads an mlx-lm model. This one keeps the runner's own request
+    bookkeeping (token lists, cache offsets, row mapping, synced offsets) and computes
+    :func:`next_token` as a *lazy* ``mlx.core`` graph; a chained decode builds on the
+    previous step's still-lazy tokens, exactly as ``decode_batch_start_chained`` does.
+    It exposes the surface ``MlxTpModelWorker`` calls; the worker itself is SGLang's.
+    """
+
+    def __init__(self, *, pool_size: int | None = None, disable_radix_cache: bool = False,
+                 **_ignored: Any) -> None:
+        self._pool_size = pool_size or 2048
+        self.disable_radix_cache = disable_radix_cache
+        self._req_caches: dict[str, list[_ModelFreeCache]] = {}
+        self._req_token_ids: dict[str, list[int]] = {}
+        self._req_pool_idx: dict[str, int] = {}
+        self._req_synced_offset: dict[str, int] = {}
+        self._req_to_token_pool = None
+        self.released_rows: list[tuple[str, int, int]] = []
+
+    @property
+    def pool_size(self) -> int:
+        return self._pool_size
+
+    def init_cache_pools(self, req_to_token_pool) -> None:
+        self._req_to_token_pool = req_to_token_pool
+
+    def cache_offset(self, req_id: str) -> int | None:
+        """Positions whose KV the runner has computed or queued (graph built)."""
+        cache = self._req_caches.get(req_id)
+        return cache[0].offset if cache else None
+
+    @staticmethod
+    def cache_state_arrays(caches) -> list:
+        return []
+
+    @staticmethod
+    def collect_logprobs(lazy_logprobs) -> None:
+        return None
+
+    def has_request(self, req_id: str) -> bool:
+        return req_id in self._req_caches
+
+    def remove_request(self, req_id: str) -> None:
+        for table in (self._req_token_ids, self._req_caches, self._req_pool_idx,
+                      self._req_synced_offset):
+            table.pop(req_id, None)
+
+    def store_auxiliary_state_for_request(self, req_id: str) -> None:
+        """No auxiliary (SSM) state in a model-free run."""
+
+    def release_request_row(self, req_id: str, owned_len: int) -> None:
+        """As the real runner: the sync would read up to ``owned_len``; forget the row."""
+        offset = self.cache_offset(req_id) or 0
+        self.released_rows.append((req_id, owned_len, offset))
+        if not self.disable_radix_cache:
+            self._req_synced_offset[req_id] = max(
+                self._req_synced_offset.get(req_id, 0), min(offset, owned_len))
+        self._req_pool_idx.pop(req_id, None)
+
+    @staticmethod
+    def _lazy_next(last_tokens, seq_lens: list[int]):
+        import mlx.core as mx
+
+        span = VOCAB_SIZE - FIRST_ORDINARY_TOKEN
+        lens = mx.array(seq_lens, dtype=mx.int32)
+        return FIRST_ORDINARY_TOKEN + (last_tokens * 31 + lens * 17 + 7) % span
+
+    def prefill_start(self, req_id, new_token_ids, full_token_ids, prefix_slot_ids,
+                      new_slot_ids, req_pool_idx, req=None, needs_logits=True,
+                      logit_edit_row=None, logprob_spec=None):
+        import mlx.core as mx
+        from sglang.srt.hardware_backend.mlx.model_runner import MlxPendingPrefill
+
+        full = list(full_token_ids)
+        token = self._lazy_next(mx.array([full[-1]], dtype=mx.int32), [len(full)])[0]
+        return MlxPendingPrefill(
+            lazy_token=token, cache=[_ModelFreeCache(len(full))], req_id=req_id,
+            full_token_ids=full, req_pool_idx=req_pool_idx,
+            synced_offset=len(prefix_slot_ids) + len(new_slot_ids))
+
+    def prefill_finalize(self, pending) -> int:
+        token = int(pending.lazy_token.item())
+        self._req_token_ids[pending.req_id] = list(pending.full_token_ids) + [token]
+        self._req_caches[pending.req_id] = pending.cache
+        self._req_pool_idx[pending.req_id] = pending.req_pool_idx
+        self._req_synced_offset[pending.req_id] = pending.synced_offset
+        return token
+
+    def extend_start(self, req_id, new_token_ids, new_slot_ids, needs_logits=True,
+                     logit_edit_row=None, logprob_spec=None):
+        import mlx.core as mx
+        from sglang.srt.hardware_backend.mlx.model_runner import MlxPendingExtend
+
+        cache = self._req_caches[req_id]
+        cache[0].offset += len(new_token_ids)
+        token = self._lazy_next(mx.array([new_token_ids[-1]], dtype=mx.int32),
+                                [cache[0].offset])[0]
+        synced = self._req_synced_offset.get(req_id, 0)
+        if not self.disable_radix_cache and new_slot_ids:
+            synced += len(new_slot_ids)
+        return MlxPendingExtend(lazy_token=token, cache=cache, req_id=req_id,
+                                new_token_ids=list(new_token_ids), new_synced_offset=synced)
+
+    def extend_finalize(self, pending) -> int:
+        token = int(pending.lazy_token.item())
+        tokens = self._req_token_ids[pending.req_id]
+        if tokens:
+            tokens.pop()  # the stale intermediate token, as in the real runner
+        tokens.extend(pending.new_token_ids)
+        tokens.append(token)
+        self._req_synced_offset[pending.req_id] = pending.new_synced_offset
+        return token
+
+    def _decode(self, req_ids, caches, last_tokens, edit_rows=None, logprob_spec=None):
+        from sglang.srt.hardware_backend.mlx.model_runner import MlxPendingDecode
+
+        for cache in caches:
+            cache[0].offset += 1
+        tokens = self._lazy_next(last_tokens, [cache[0].offset for cache in caches])
+        return MlxPendingDecode(lazy_tokens=tokens, req_ids=list(req_ids), caches=caches,
+                                logprob_spec=logprob_spec, edit_rows=edit_rows)
+
+    def decode_batch_start(self, req_ids, edit_rows=None, logprob_spec=None,
+                           logits_hook=None):
+        import mlx.core as mx
+
+        caches = [self._req_caches[rid] for rid in req_ids]
+        last = mx.array([self._req_token_ids[rid][-1] for rid in req_ids], dtype=mx.int32)
+        return self._decode(req_ids, caches, last, edit_rows, logprob_spec)
+
+    def decode_batch_start_chained(self, prev):
+        return self._decode(prev.req_ids, prev.caches, prev.lazy_tokens,
+                            prev.edit_rows, prev.logprob_spec)
+
+    def decode_batch_finalize(self, pending) -> list[int]:
+        raw = pending.lazy_tokens.tolist()
+        tokens = [int(t) for t in (raw if isinstance(raw, list) else [raw])]
+        for rid, token in zip(pending.req_ids, tokens):
+            self._req_token_ids[rid].append(token)
+        return tokens
+
+
+def install_mlx_model_free_runner() -> None:
+    """MLX loop: ``MlxTpModelWorker`` builds :class:`ModelFreeMlxRunner` as its runner.
+
+    Why: ``MlxTpModelWorker._init_model_runner`` does ``from ...model_runner import
+    MlxModelRunner`` at call time, so replacing the module attribute is enough; the
+    worker, its stub runner and every pool stay SGLang's own.
+    """
+    from sglang.srt.hardware_backend.mlx import model_runner
+
+    model_runner.MlxModelRunner = ModelFreeMlxRunner
+
+
+# --------------------------------------------------------------------------------------
+# 4. Request ingress.
+# --------------------------------------------------------------------------------------
+
+
+class ScriptedReceiver:
+    """Stands in for ``scheduler.request_receiver``: hands out scripted requests.
+
+    Why: the real receiver reads zmq sockets fed by a tokenizer process that does not
+    exist here, and ``SchedulerRequestReceiver`` is a frozen slots dataclass whose method
+    cannot be patched, so the attribute is replaced whole. What it returns goes through
+    SGLang's real ``ingest_requests`` → ``process_input_requests`` →
+    ``handle_generate_request``.
+    """
+
+    def __init__(self) -> None:
+        self.pending: list[Any] = []
+
+    def recv_requests(self, local_reqs=None) -> list[Any]:
+        out = list(local_reqs or []) + self.pending
+        self.pending = []
+        return out

@@ -1,0 +1,145 @@
+"""Declarative workloads: which requests arrive at which loop iteration, with what prompt.
+
+A workload is a TOML file under ``data/workloads/``::
+
+    name = "two-turn"
+    description = "..."
+    max_steps = 120                # step budget; past it the run ends with status "timeout"
+
+    [server_args]                  # optional ServerArgs overrides for this workload
+    chunked_prefill_size = 32
+
+    [[requests]]
+    rid = "a"
+    prompt_range = [20, 36]        # token ids 20..35 (or: prompt = [20, 21, ...])
+    max_new_tokens = 12
+    arrival = 0                    # loop iteration (step) at which it is fed in
+
+    [[requests]]
+    rid = "a2"
+    turn_of = "a"                  # a later turn: a's prompt + a's output + prompt below
+    prompt = [90, 91, 92]
+    max_new_tokens = 4
+    arrival = 20                   # earliest step; held until "a" has finished
+
+Token ids below 10 are reserved (the fake model never emits them; 2 is EOS).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+from typing import Any
+
+WORKLOAD_DIR = Path(__file__).resolve().parent.parent / "data" / "workloads"
+
+
+class WorkloadError(ValueError):
+    """A workload file or name is invalid."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestSpec:
+    """One request of a workload.
+
+    ``prompt`` is the request's own new tokens; for a later turn (``turn_of`` set) the
+    prompt SGLang receives is the parent's prompt + the parent's output + ``prompt``.
+    """
+
+    rid: str
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    arrival: int = 0
+    turn_of: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A named, ordered set of requests plus the server-arg overrides it needs."""
+
+    name: str
+    requests: tuple[RequestSpec, ...]
+    description: str = ""
+    server_args: dict[str, Any] = dataclasses.field(default_factory=dict)
+    max_steps: int = 200
+
+    def request(self, rid: str) -> RequestSpec:
+        for spec in self.requests:
+            if spec.rid == rid:
+                return spec
+        raise KeyError(rid)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], *, source: str = "<dict>") -> "Workload":
+        try:
+            requests = tuple(_request_from_dict(r) for r in raw["requests"])
+            workload = cls(
+                name=str(raw["name"]),
+                requests=requests,
+                description=str(raw.get("description", "")).strip(),
+                server_args=dict(raw.get("server_args", {})),
+                max_steps=int(raw.get("max_steps", 200)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise WorkloadError(f"{source}: invalid workload ({exc!r})") from exc
+        workload.validate(source)
+        return workload
+
+    def validate(self, source: str = "<workload>") -> None:
+        rids = [r.rid for r in self.requests]
+        if len(set(rids)) != len(rids):
+            raise WorkloadError(f"{source}: duplicate request ids in {rids}")
+        for spec in self.requests:
+            if spec.turn_of is not None and spec.turn_of not in rids[: rids.index(spec.rid)]:
+                raise WorkloadError(
+                    f"{source}: request {spec.rid!r} is a turn of {spec.turn_of!r}, "
+                    "which must be an earlier request of the workload")
+            if spec.turn_of is None and not spec.prompt:
+                raise WorkloadError(f"{source}: request {spec.rid!r} has an empty prompt")
+            if any(t < 10 for t in spec.prompt):
+                raise WorkloadError(f"{source}: request {spec.rid!r} uses reserved ids < 10")
+            if spec.max_new_tokens < 1:
+                raise WorkloadError(f"{source}: request {spec.rid!r} needs max_new_tokens >= 1")
+
+
+def _request_from_dict(raw: dict[str, Any]) -> RequestSpec:
+    if "prompt_range" in raw:
+        start, stop = raw["prompt_range"]
+        prompt = tuple(range(int(start), int(stop)))
+    else:
+        prompt = tuple(int(t) for t in raw.get("prompt", ()))
+    return RequestSpec(
+        rid=str(raw["rid"]),
+        prompt=prompt,
+        max_new_tokens=int(raw["max_new_tokens"]),
+        arrival=int(raw.get("arrival", 0)),
+        turn_of=raw.get("turn_of"),
+    )
+
+
+def workload_names() -> list[str]:
+    """Names of the shipped workloads (files under ``data/workloads/``)."""
+    return sorted(p.stem for p in WORKLOAD_DIR.glob("*.toml"))
+
+
+def load_workload(name_or_path: str | Path) -> Workload:
+    """A shipped workload by name, or a workload file by path."""
+    path = Path(name_or_path)
+    if path.suffix != ".toml":
+        path = WORKLOAD_DIR / f"{name_or_path}.toml"
+        if not path.exists():
+            raise WorkloadError(
+                f"unknown workload {str(name_or_path)!r}; "
+                f"shipped workloads: {', '.join(workload_names())} (or a path to a .toml file)")
+    elif not path.exists():
+        raise WorkloadError(f"workload file not found: {path}")
+    with path.open("rb") as handle:
+        try:
+            raw = tomllib.load(handle)
+        except tomllib.TOMLDecodeError as exc:
+            raise WorkloadError(f"{path}: not valid TOML ({exc})") from exc
+    return Workload.from_dict(raw, source=str(path))
