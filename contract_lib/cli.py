@@ -1,0 +1,91 @@
+"""Command line: ``python -m contract_lib {run,check,status} ...``.
+
+Exit codes: 0 success (``check``: every clause holds), 1 a clause is violated or the run
+did not finish, 2 a usage or set-up error (unknown name, unsupported SGLang, bad patch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from pathlib import Path
+
+from contract_lib.frames import Frames
+from contract_lib.harness import LOOPS, RunSetupError, run
+from contract_lib.patches import BUILTIN_PATCHES, PatchError
+from contract_lib.report import run_summary, step_table
+from contract_lib.versions import UnsupportedSGLangError
+from contract_lib.workloads import WorkloadError
+
+FRAMES_DIR = Path(__file__).resolve().parent.parent / "data" / "frames"
+USAGE_ERRORS = (RunSetupError, WorkloadError, PatchError, UnsupportedSGLangError)
+
+
+def _server_arg(text: str) -> tuple[str, object]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        value = raw
+    return key.strip(), value
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--loop", required=True, help=f"one of: {', '.join(LOOPS)}")
+    parser.add_argument("--workload", required=True,
+                        help="a shipped workload name or a path to a .toml workload")
+    parser.add_argument("--patch", help="a built-in patch "
+                        f"({', '.join(BUILTIN_PATCHES)}) or 'package.module:callable'")
+    parser.add_argument("--server-arg", action="append", type=_server_arg, default=[],
+                        metavar="KEY=VALUE", help="a ServerArgs override (repeatable)")
+    parser.add_argument("--out", type=Path, help="where to write the frames (default: "
+                        "data/frames/<workload>.<loop>[.<patch>].json)")
+
+
+def _default_out(args) -> Path:
+    name = f"{Path(args.workload).stem}.{args.loop}"
+    if args.patch:
+        name += "." + args.patch.replace(":", "-").replace("/", "-")
+    return FRAMES_DIR / f"{name}.json"
+
+
+def _run(args) -> Frames:
+    frames = run(args.workload, args.loop, patch=args.patch,
+                 server_args=dict(args.server_arg))
+    out = frames.save(args.out or _default_out(args))
+    print(run_summary(frames))
+    print(f"frames written to {out}")
+    return frames
+
+
+def cmd_run(args) -> int:
+    frames = _run(args)
+    print()
+    print(step_table(frames))
+    return 0 if frames.status == "finished" else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m contract_lib",
+        description="Run SGLang's real scheduler loops model-free and check the per-step "
+                    "contract (see README.md).")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run_parser = commands.add_parser(
+        "run", help="run a workload through a loop; print the per-step table, save frames")
+    _add_run_options(run_parser)
+    run_parser.set_defaults(handler=cmd_run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except USAGE_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,41 @@
+"""Patches written outside the package, as a triager would: ``user_patches:NAME``.
+
+Each wraps ``Scheduler.get_next_batch_to_run`` (called once per scheduling iteration by
+every loop) and misbehaves on its 4th call, i.e. inside the loop, after frames exist.
+"""
+
+import os
+import signal
+import time
+
+from sglang.srt.managers.scheduler import Scheduler
+
+FAULT_AT_CALL = 4
+
+
+def _on_call(action):
+    original = Scheduler.get_next_batch_to_run
+    calls = [0]
+
+    def get_next_batch_to_run(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == FAULT_AT_CALL:
+            action()
+        return original(self, *args, **kwargs)
+
+    Scheduler.get_next_batch_to_run = get_next_batch_to_run
+
+
+def raise_in_loop():
+    def action():
+        raise RuntimeError("injected fault in get_next_batch_to_run")
+
+    _on_call(action)
+
+
+def segfault_in_loop():
+    _on_call(lambda: os.kill(os.getpid(), signal.SIGSEGV))
+
+
+def hang_in_loop():
+    _on_call(lambda: time.sleep(3600))
