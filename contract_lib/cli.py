@@ -37,8 +37,9 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loop", required=True, help=f"one of: {', '.join(LOOPS)}")
     parser.add_argument("--workload", required=True,
                         help="a shipped workload name or a path to a .toml workload")
-    parser.add_argument("--patch", help="a built-in patch "
-                        f"({', '.join(BUILTIN_PATCHES)}) or 'package.module:callable'")
+    parser.add_argument("--patch", action="append", help="a built-in patch "
+                        f"({', '.join(BUILTIN_PATCHES)}) or 'package.module:callable'; "
+                        "repeat to combine")
     parser.add_argument("--server-arg", action="append", type=_server_arg, default=[],
                         metavar="KEY=VALUE", help="a ServerArgs override (repeatable)")
     parser.add_argument("--out", type=Path, help="where to write the frames (default: "
@@ -48,7 +49,7 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
 def _default_out(args) -> Path:
     name = f"{Path(args.workload).stem}.{args.loop}"
     if args.patch:
-        name += "." + args.patch.replace(":", "-").replace("/", "-")
+        name += "." + "+".join(args.patch).replace(":", "-").replace("/", "-")
     return FRAMES_DIR / f"{name}.json"
 
 
@@ -68,6 +69,31 @@ def cmd_run(args) -> int:
     return 0 if frames.status == "finished" else 1
 
 
+def cmd_check(args) -> int:
+    from contract_lib.contract import check
+
+    frames = _run(args)
+    report = check(frames)
+    print()
+    print(report.text())
+    return 0 if report.ok else 1
+
+
+def cmd_status(args) -> int:
+    from contract_lib.status import status
+
+    result = status(workloads=args.workload or None, loops=tuple(args.loop or LOOPS),
+                    patch="+".join(args.patch) if args.patch else None)
+    print(result.text())
+    reference = result.reference_violations()
+    if not reference.empty:
+        print("\nthe torch reference loops violate the contract (a checker bug or an "
+              "SGLang finding):")
+        print(reference.to_string(index=False))
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m contract_lib",
@@ -78,6 +104,19 @@ def build_parser() -> argparse.ArgumentParser:
         "run", help="run a workload through a loop; print the per-step table, save frames")
     _add_run_options(run_parser)
     run_parser.set_defaults(handler=cmd_run)
+    check_parser = commands.add_parser(
+        "check", help="run, then check the five clauses; exit 0 when all hold, 1 if not")
+    _add_run_options(check_parser)
+    check_parser.set_defaults(handler=cmd_check)
+    status_parser = commands.add_parser(
+        "status", help="the measured clause x loop table over the shipped workloads")
+    status_parser.add_argument("--workload", action="append",
+                               help="restrict to these workloads (repeatable)")
+    status_parser.add_argument("--loop", action="append", choices=LOOPS,
+                               help="restrict to these loops (repeatable)")
+    status_parser.add_argument("--patch", action="append",
+                               help="apply this patch to every run (repeatable)")
+    status_parser.set_defaults(handler=cmd_status)
     return parser
 
 

@@ -17,9 +17,10 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from contract_lib.frames import Frames
+from contract_lib.patches import PatchArg, patch_spec
 from contract_lib.versions import require_supported_sglang
 from contract_lib.workloads import Workload, load_workload
 
@@ -52,19 +53,18 @@ def run(
     workload: str | Workload,
     loop: str,
     *,
-    patch: str | Callable[[], None] | None = None,
+    patch: PatchArg = None,
     server_args: dict[str, Any] | None = None,
     hang_timeout: float = DEFAULT_HANG_TIMEOUT_S,
 ) -> Frames:
     """Drive ``workload`` through ``loop`` and return its frames, whatever happened.
 
-    ``patch`` is a built-in patch name, ``"module:callable"``, or an importable callable
-    (see :mod:`contract_lib.patches`); it runs in the child before the Scheduler is built.
+    ``patch`` is a built-in patch name, ``"module:callable"``, an importable callable, or
+    several of these (a list, or names joined with ``+``); see :mod:`contract_lib.patches`.
+    Patches run in the child before the Scheduler is built.
     The returned frames carry ``status`` (``finished``, ``crashed``, ``timeout``, ``died``)
     and, unless finished, ``error``.
     """
-    from contract_lib.patches import patch_spec
-
     if loop not in LOOPS:
         raise RunSetupError(f"unknown loop {loop!r}; valid loops: {', '.join(LOOPS)}")
     if not isinstance(workload, Workload):
@@ -83,6 +83,26 @@ def run(
         "sglang_version": require_supported_sglang(),
     }
     return _run_child(spec, meta, hang_timeout)
+
+
+def run_many(jobs: list[dict[str, Any]], *, workers: int | None = None,
+             progress: bool = True) -> list[Frames]:
+    """Run several jobs (each a dict of :func:`run` keyword arguments) in parallel, one
+    child process per job, ``workers`` at a time (default: the machine's cores); results
+    come back in job order. A tqdm bar on stderr shows progress."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    from tqdm.auto import tqdm
+
+    workers = workers or os.cpu_count() or 1
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(run, **job) for job in jobs]
+        bar = tqdm(total=len(futures), desc="runs", unit="run", disable=not progress,
+                   file=sys.stderr, leave=False)
+        for _ in as_completed(futures):
+            bar.update(1)
+        bar.close()
+    return [future.result() for future in futures]
 
 
 def _run_child(spec: dict[str, Any], meta: dict[str, Any], hang_timeout: float) -> Frames:

@@ -21,6 +21,7 @@ import __future__
 import dataclasses
 import importlib
 import inspect
+import re
 import textwrap
 from typing import Callable
 
@@ -43,20 +44,15 @@ def patch_source(owner: object, name: str, replacements: list[tuple[str, str]],
                  label: str) -> None:
     """Replace exact snippets in the source of ``owner.name`` and install the result.
 
-    Each ``(old, new)`` must occur exactly once. The new function is compiled in the
+    Each ``(old, new)`` pair is a snippet of whole lines written without its indentation;
+    ``old`` must occur exactly once. The new function is compiled in the
     original's module globals, with the original decorators re-applied from the source.
     """
     original = inspect.getattr_static(owner, name)
     function = inspect.unwrap(original)
     source = textwrap.dedent(inspect.getsource(function))
     for old, new in replacements:
-        count = source.count(old)
-        if count != 1:
-            raise PatchError(
-                f"patch {label!r}: expected one occurrence of {old.strip()[:60]!r} in "
-                f"{function.__qualname__}, found {count}; the installed SGLang differs "
-                "from the release this patch was written for")
-        source = source.replace(old, new)
+        source = _replace_once(source, old, new, label, function.__qualname__)
     if "super()" in source:
         raise PatchError(f"patch {label!r}: cannot recompile {name} (uses super())")
     module = inspect.getmodule(function)
@@ -68,6 +64,32 @@ def patch_source(owner: object, name: str, replacements: list[tuple[str, str]],
     namespace = dict(module.__dict__)
     exec(code, namespace)  # noqa: S102 - compiling a reviewed patch of SGLang's own code
     setattr(owner, name, namespace[name])
+
+
+def _replace_once(source: str, old: str, new: str, label: str, where: str) -> str:
+    """Replace the one occurrence of ``old`` in ``source``. A snippet of whole lines
+    (ending in a newline) is written without its indentation and matched at whatever
+    indentation it sits, ``new`` taking the same; any other snippet matches verbatim."""
+    if old.endswith("\n"):
+        common = min(len(line) - len(line.lstrip(" "))
+                     for line in old.splitlines() if line.strip())
+        old, new = (
+            "".join(line[common:] for line in text.splitlines(keepends=True))
+            for text in (old, new))
+        hits = []
+        for width in range(0, 41, 4):
+            candidate = textwrap.indent(old, " " * width)
+            for match in re.finditer("(?m)^" + re.escape(candidate), source):
+                hits.append((match.start(), match.end(), textwrap.indent(new, " " * width)))
+    else:
+        hits = [(m.start(), m.end(), new) for m in re.finditer(re.escape(old), source)]
+    if len(hits) != 1:
+        raise PatchError(
+            f"patch {label!r}: expected one occurrence of {old.strip()[:60]!r} in {where}, "
+            f"found {len(hits)}; the installed SGLang differs from the release this patch "
+            "was written for")
+    start, end, replacement = hits[0]
+    return source[:start] + replacement + source[end:]
 
 
 # -- built-in patches ------------------------------------------------------------------------
@@ -103,12 +125,12 @@ def fix_chained_accounting() -> None:
     ``prepare_for_decode`` on the live batch (allocation, ``req_to_token``, counters),
     and the loop declines to chain when ``check_decode_mem()`` says the step won't fit."""
     patch_source(_mlx_mixin(), "event_loop_overlap_mlx", [
-        ("            batch_copy = prev.batch_copy.copy()\n",
-         "            prev.schedule_batch.prepare_for_decode()\n"
-         "            batch_copy = prev.schedule_batch.copy()\n"),
-        ("                and not self.waiting_queue\n            )",
-         "                and not self.waiting_queue\n"
-         "                and pending_curr.schedule_batch.check_decode_mem()\n            )"),
+        ("batch_copy = prev.batch_copy.copy()\n",
+         "prev.schedule_batch.prepare_for_decode()\n"
+         "batch_copy = prev.schedule_batch.copy()\n"),
+        ("    and not self.waiting_queue\n)\n",
+         "    and not self.waiting_queue\n"
+         "    and pending_curr.schedule_batch.check_decode_mem()\n)\n"),
     ], "fix-chained-accounting")
 
 
@@ -130,7 +152,9 @@ def skip_relay_publish() -> None:
     from sglang.srt.managers.scheduler import Scheduler
 
     patch_source(Scheduler, "_relay_forward_payload", [
-        ("        self.future_map.stash(future_indices, payload)\n", ""),
+        ("    future_indices = future_indices[: batch.beam_tail.num_base_rows]\n"
+         "self.future_map.stash(future_indices, payload)\n",
+         "    future_indices = future_indices[: batch.beam_tail.num_base_rows]\n"),
     ], "skip-relay-publish")
 
 
@@ -152,10 +176,20 @@ BUILTIN_PATCHES: dict[str, Patch] = {
 }
 
 
-def patch_spec(patch: str | Callable[[], None] | None) -> str | None:
-    """Validate a patch given to :func:`contract_lib.run` and return its string form."""
+PatchArg = str | Callable[[], None] | list | tuple | None
+
+
+def patch_spec(patch: PatchArg) -> str | None:
+    """Validate a patch argument and return its string form.
+
+    Several patches combine with ``+`` (``"fix-chained-accounting+fix-idle-predicate"``)
+    or as a list; they are applied left to right.
+    """
     if patch is None:
         return None
+    if isinstance(patch, (list, tuple)):
+        parts = [patch_spec(p) for p in patch]
+        return "+".join(p for p in parts if p) or None
     if callable(patch):
         module, qualname = patch.__module__, patch.__qualname__
         if module == "__main__" or "<" in qualname:
@@ -164,15 +198,16 @@ def patch_spec(patch: str | Callable[[], None] | None) -> str | None:
                 "import it. Put it at the top level of a .py module and pass "
                 "'module:function'")
         return f"{module}:{qualname}"
-    if patch in BUILTIN_PATCHES or ":" in patch:
-        return patch
-    raise PatchError(
-        f"unknown patch {patch!r}; built-in patches: {', '.join(BUILTIN_PATCHES)} "
-        "(or 'package.module:callable')")
+    for part in patch.split("+"):
+        if part not in BUILTIN_PATCHES and ":" not in part:
+            raise PatchError(
+                f"unknown patch {part!r}; built-in patches: {', '.join(BUILTIN_PATCHES)} "
+                "(or 'package.module:callable'; combine several with '+')")
+    return patch
 
 
 def resolve_patch(spec: str) -> Callable[[], None]:
-    """The callable a patch spec names (imports the module for ``module:callable``)."""
+    """The callable one patch spec names (imports the module for ``module:callable``)."""
     if spec in BUILTIN_PATCHES:
         return BUILTIN_PATCHES[spec].apply
     module_name, _, attr = spec.partition(":")
@@ -188,6 +223,7 @@ def resolve_patch(spec: str) -> Callable[[], None]:
 
 
 def apply_patch(spec: str | None) -> None:
-    """Apply a patch spec inside the child (no-op for None)."""
-    if spec is not None:
-        resolve_patch(spec)()
+    """Apply a patch spec inside the child, each ``+``-separated part in order."""
+    for part in (spec or "").split("+"):
+        if part:
+            resolve_patch(part)()
