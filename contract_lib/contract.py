@@ -10,8 +10,8 @@ has computed or queued (recorded at the model boundary).
 1. **Slots recorded** (field ``req_to_token``). For every live request and every position
    ``p < kv_computed``, ``req_to_token[row, p]`` is a real slot: not the padding slot 0,
    not free in the allocator, and not held by another live request (a slot both requests
-   hold inside their radix-protected prefix, ``p < cache_protected_len``, is shared by
-   design). Reader: the MLX decode-KV pool sync ``_sync_decode_kv_to_pool`` reads these
+   hold at the same position inside their radix-protected prefix,
+   ``p < cache_protected_len``, is shared by design). Reader: the MLX decode-KV pool sync ``_sync_decode_kv_to_pool`` reads these
    entries as pool slot ids; radix insertion keys the request's slots by them.
 2. **Counters advanced** (fields ``seq_lens``, ``kv_committed_len``, ``kv_allocated_len``).
    For every live request, each counter equals ``kv_computed``: zero lag behind the
@@ -191,10 +191,14 @@ def check_slots(frames: Frames) -> ClauseResult:
     if slots.empty:
         return ClauseResult(1, NOT_EXERCISED, "no live request had a launched position",
                             _violations(1, loop, []))
-    private = slots["position"] >= slots["cache_protected_len"]
-    holders = slots.groupby(["step", "slot"])["rid"].transform("nunique")
-    private_holder = private.groupby([slots["step"], slots["slot"]]).transform("any")
-    shared = (holders > 1) & private_holder & (slots["slot"] != 0)
+    # Radix sharing puts one slot at the same position of several rows, inside each
+    # row's protected prefix. Any other slot held by two live requests is a violation.
+    by_slot = slots.assign(private=slots["position"] >= slots["cache_protected_len"]
+                           ).groupby(["step", "slot"])
+    holders = by_slot["rid"].transform("nunique")
+    positions = by_slot["position"].transform("nunique")
+    any_private = by_slot["private"].transform("any")
+    shared = (holders > 1) & ((positions > 1) | any_private) & (slots["slot"] != 0)
     padding = slots["slot"] == 0
     free = slots["slot_free"].astype(bool) & ~padding
     bad = slots[padding | free | shared]

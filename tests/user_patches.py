@@ -39,3 +39,13 @@ def segfault_in_loop():
 
 def hang_in_loop():
     _on_call(lambda: time.sleep(3600))
+
+
+def stale_forward_iter():
+    """A suspected change a triager might try: stamp forward_iter before the advance."""
+    from contract_lib.patches import patch_source
+
+    patch_source(Scheduler, "run_batch", [
+        ("batch.forward_iter = self.forward_ct\n",
+         "batch.forward_iter = self.forward_ct - 1\n"),
+    ], "stale-forward-iter")

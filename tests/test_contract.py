@@ -1,0 +1,222 @@
+"""The checker: each clause seen failing on crafted frames, and on the real code."""
+
+from __future__ import annotations
+
+import copy
+
+import pandas as pd
+import pytest
+
+import contract_lib
+from contract_lib.cli import main
+from contract_lib.contract import (HOLDS, MASKED, NOT_EXERCISED, VIOLATED, ContractViolation,
+                                   assert_contract, check)
+
+WORKLOADS = contract_lib.workload_names()
+
+
+def _statuses(report):
+    return {n: r.status for n, r in report.clauses.items()}
+
+
+# -- crafted frames: every clause fails on its own ------------------------------------------
+
+
+@pytest.fixture()
+def good(run_cached):
+    """A deep copy of a run that satisfies every clause (torch overlap, two-turn)."""
+    frames = run_cached("two-turn", "overlap")
+    assert check(frames).ok
+    return contract_lib.Frames(tables={k: v.copy() for k, v in frames.tables.items()},
+                               meta=copy.deepcopy(frames.meta))
+
+
+def _only(report, clause, status=VIOLATED):
+    statuses = _statuses(report)
+    assert statuses.pop(clause) == status
+    assert all(s in (HOLDS, NOT_EXERCISED) for s in statuses.values()), statuses
+    return report.clauses[clause].first()
+
+
+def _live_slot(frames, step=5):
+    s = frames.slots
+    return s[(s.step == step) & (s.rid == "a") & (s.position == 3)].index[0]
+
+
+def test_clause1_fails_on_padding_slot(good):
+    good.slots.loc[_live_slot(good), "slot"] = 0
+    first = _only(check(good), 1)
+    assert (first["field"], first["step"], first["rid"], first["actual"]) == (
+        "req_to_token", 5, "a", "slot 0")
+
+
+def test_clause1_fails_on_free_slot(good):
+    good.slots.loc[_live_slot(good), "slot_free"] = True
+    first = _only(check(good), 1)
+    assert first["field"] == "req_to_token" and "free" in first["actual"]
+
+
+def test_clause1_fails_on_slot_shared_with_another_live_request(good):
+    s = good.slots
+    b_slot = s[(s.step == 5) & (s.rid == "b") & (s.position == 11)].slot.iloc[0]
+    good.slots.loc[_live_slot(good), "slot"] = b_slot
+    first = _only(check(good), 1)
+    assert "also held by b" in first["actual"]
+
+
+def test_clause2_fails_on_lagging_counter(good):
+    r = good.requests
+    row = r[(r.step == 7) & (r.rid == "b")].index[0]
+    good.requests.loc[row, "kv_committed_len"] -= 2
+    first = _only(check(good), 2)
+    assert (first["field"], first["step"], first["rid"]) == ("kv_committed_len", 7, "b")
+    assert first["expected"] - first["actual"] == 2
+
+
+def test_clause3_fails_on_each_stamp(good):
+    launches = good.launches
+    broken = good.launches.copy()
+    good.tables["launches"] = broken.assign(forward_ct=launches.forward_ct.where(
+        launches.launch != 3, launches.forward_ct - 1))
+    assert _only(check(good), 3)["field"] == "forward_ct"
+    good.tables["launches"] = broken.assign(processed_forward_iter=launches.forward_ct + 1)
+    assert _only(check(good), 3)["field"] == "forward_iter"
+    good.tables["launches"] = broken.assign(processed_launch_ts=None)
+    assert _only(check(good), 3)["field"] == "launch_ts"
+    good.tables["launches"] = broken.assign(
+        processed_launch_ts=launches.processed_launch_ts[::-1].values)
+    assert _only(check(good), 3)["field"] == "launch_ts"
+
+
+def test_clause4_fails_on_unpublished_read(good):
+    reads = good.relay.index[good.relay.event == "read"]
+    good.relay.loc[reads[2], "published_for_rid"] = False
+    first = _only(check(good), 4)
+    assert first["field"] == "output_tokens_buf"
+
+
+def test_clause5_masked_and_plain_violation(good):
+    busy = good.steps.index[good.steps.result_queue_len > 0]
+    good.steps.loc[busy[1], "idle_probe"] = True
+    assert _only(check(good), 5, MASKED)["field"] == "result_queue"
+    good.steps.loc[busy[1], "is_fully_idle"] = True
+    assert _only(check(good), 5, VIOLATED)["field"] == "result_queue"
+
+
+def test_pool_leak_is_reported(good):
+    good.steps.loc[4, "pool_leak"] = True
+    report = check(good)
+    assert report.ok and list(report.pool.step) == [4]
+
+
+# -- the torch loops are the reference ------------------------------------------------------
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+def test_torch_loops_satisfy_every_clause(run_cached, workload, loop):
+    report = assert_contract(run_cached(workload, loop))
+    assert report.pool.empty
+    expected_5 = NOT_EXERCISED if loop == "normal" else HOLDS
+    assert _statuses(report) == {1: HOLDS, 2: HOLDS, 3: HOLDS, 4: HOLDS, 5: expected_5}
+
+
+# -- the RFC's test: red on 0.5.23's MLX loop, green with the candidate fixes ----------------
+
+
+def test_mlx_two_turn_on_0_5_23(run_cached):
+    frames = run_cached("two-turn", "mlx")
+    report = check(frames)
+    assert _statuses(report) == {1: VIOLATED, 2: VIOLATED, 3: HOLDS, 4: HOLDS, 5: MASKED}
+    first_chained = int(frames.launches.query("chained").step.min())
+    # the first chained launch is queued at that step; the next boundary sees it
+    assert report.clauses[1].first()["step"] == first_chained + 1
+    assert report.clauses[2].first()["step"] == first_chained + 1
+    with pytest.raises(ContractViolation, match=r"^clause 1 \(slots recorded\): field "
+                                                r"req_to_token at step 3, request a"):
+        assert_contract(frames)
+
+
+def test_mlx_with_both_fixes_satisfies_every_clause(run_cached):
+    frames = run_cached("two-turn", "mlx", "fix-chained-accounting+fix-idle-predicate")
+    assert _statuses(assert_contract(frames)) == {n: HOLDS for n in range(1, 6)}
+
+
+# -- each built-in patch: red where the bug is, green where the fix is -----------------------
+
+
+def test_no_forward_ct_red_green(run_cached):
+    red = check(run_cached("two-turn", "mlx", "no-forward-ct")).clauses[3]
+    assert red.status == VIOLATED
+    first = red.first()
+    assert (first["field"], first["launch"], first["expected"], first["actual"]) == (
+        "forward_ct", 1, 1, 0)
+    assert check(run_cached("two-turn", "mlx")).clauses[3].status == HOLDS
+
+
+def test_no_launch_ts_is_the_startup_type_error(run_cached):
+    frames = run_cached("two-turn", "mlx", "no-launch-ts")
+    assert frames.status == "crashed" and frames.error["type"] == "TypeError"
+    assert "_record_step_counters" in frames.error["traceback"]
+    report = check(frames)
+    first = report.clauses[3].first()
+    assert (first["field"], first["launch"]) == ("launch_ts", 1)
+    assert "run crashed: TypeError" in report.text()
+
+
+def test_mixed_chunk_reads_unpublished_relay_on_mlx_only(run_cached):
+    red = check(run_cached("mixed-chunk", "mlx")).clauses[4]
+    assert red.status == VIOLATED and len(red.violations) == 3
+    assert red.first()["actual"] == "-1 (never written)"
+    assert "mixed batch" in red.first()["explanation"]
+    torch_reads = run_cached("mixed-chunk", "overlap").relay.query("kind == 'mixed'")
+    assert len(torch_reads) == 3 and torch_reads.published_for_rid.all()
+
+
+def test_fix_chained_accounting_turns_clauses_1_and_2_green(run_cached):
+    for workload in WORKLOADS:
+        report = check(run_cached(workload, "mlx", "fix-chained-accounting"))
+        assert report.clauses[1].status == HOLDS, workload
+        assert report.clauses[2].status == HOLDS, workload
+        assert report.pool.empty, workload  # no leaked slot, finish-during-chain included
+
+
+def test_fix_chained_accounting_restores_prefix_reuse(run_cached):
+    def cached(loop, patch=None):
+        r = run_cached("two-turn", loop, patch).requests
+        return int(r[r.rid == "a2"].cached_tokens.max())
+
+    assert cached("mlx") < cached("normal")
+    assert cached("mlx", "fix-chained-accounting") >= cached("normal")
+
+
+def test_fix_idle_predicate_red_green(run_cached):
+    assert check(run_cached("two-turn", "mlx")).clauses[5].status == MASKED
+    assert check(run_cached("two-turn", "mlx", "fix-idle-predicate")).clauses[5].status == HOLDS
+
+
+def test_skip_relay_publish_breaks_clause_4_on_torch(run_cached):
+    report = check(run_cached("two-turn", "overlap", "skip-relay-publish"))
+    first = report.clauses[4].first()
+    assert report.clauses[4].status == VIOLATED
+    assert (first["field"], first["actual"]) == ("output_tokens_buf", "-1 (never written)")
+
+
+def test_user_patch_is_reported_against_its_clause_and_field(run_cached):
+    report = check(run_cached("single-decode", "normal", "user_patches:stale_forward_iter"))
+    assert _statuses(report)[3] == VIOLATED
+    assert report.clauses[3].first()["field"] == "forward_iter"
+
+
+# -- the command ----------------------------------------------------------------------------
+
+
+def test_check_command_exit_codes(capsys):
+    assert main(["check", "--loop", "normal", "--workload", "single-decode",
+                 "--out", "/dev/null"]) == 0
+    assert main(["check", "--loop", "mlx", "--workload", "single-decode",
+                 "--out", "/dev/null"]) == 1
+    out = capsys.readouterr().out
+    assert "clause 1 (slots recorded): field req_to_token" in out
+    assert main(["check", "--loop", "mlx", "--workload", "nope"]) == 2
+    assert "unknown workload" in capsys.readouterr().err
