@@ -23,6 +23,8 @@ import importlib
 import inspect
 import re
 import textwrap
+import tomllib
+from pathlib import Path
 from typing import Callable
 
 
@@ -45,8 +47,8 @@ def patch_source(owner: object, name: str, replacements: list[tuple[str, str]],
     """Replace exact snippets in the source of ``owner.name`` and install the result.
 
     Each ``(old, new)`` pair is a snippet of whole lines written without its indentation;
-    ``old`` must occur exactly once. The new function is compiled in the
-    original's module globals, with the original decorators re-applied from the source.
+    ``old`` must occur exactly once. The new function is compiled with the original's
+    module globals, its decorators re-applied from the source.
     """
     original = inspect.getattr_static(owner, name)
     function = inspect.unwrap(original)
@@ -61,9 +63,11 @@ def patch_source(owner: object, name: str, replacements: list[tuple[str, str]],
         flags |= __future__.annotations.compiler_flag
     code = compile(source, f"<patch {label}: {function.__code__.co_filename}>", "exec",
                    flags=flags, dont_inherit=True)
-    namespace = dict(module.__dict__)
-    exec(code, namespace)  # noqa: S102 - compiling a reviewed patch of SGLang's own code
-    setattr(owner, name, namespace[name])
+    # The module's own globals (not a copy), so later rebinding of a module name, e.g. a
+    # capture hook, is seen by the patched function exactly as by the original.
+    defined: dict[str, object] = {}
+    exec(code, module.__dict__, defined)  # noqa: S102 - a reviewed patch of SGLang code
+    setattr(owner, name, defined[name])
 
 
 def _replace_once(source: str, old: str, new: str, label: str, where: str) -> str:
@@ -177,6 +181,16 @@ BUILTIN_PATCHES: dict[str, Patch] = {
 
 
 PatchArg = str | Callable[[], None] | list | tuple | None
+
+
+BUG_CATALOG = Path(__file__).resolve().parent.parent / "data" / "bugs.toml"
+
+
+def bug_catalog() -> list[dict]:
+    """The bugs of ``data/bugs.toml``: id, PRs, clause, field, symptom, flags, affected
+    releases and how contract_lib replays each."""
+    with BUG_CATALOG.open("rb") as handle:
+        return tomllib.load(handle)["bug"]
 
 
 def patch_spec(patch: PatchArg) -> str | None:

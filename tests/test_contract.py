@@ -220,3 +220,9 @@ def test_check_command_exit_codes(capsys):
     assert "clause 1 (slots recorded): field req_to_token" in out
     assert main(["check", "--loop", "mlx", "--workload", "nope"]) == 2
     assert "unknown workload" in capsys.readouterr().err
+
+
+def test_patched_loop_keeps_the_capture_hooks(run_cached):
+    """A source patch of the MLX loop must still have its relay reads recorded."""
+    report = check(run_cached("mixed-chunk", "mlx", "fix-chained-accounting"))
+    assert report.clauses[4].status == VIOLATED and len(report.clauses[4].violations) == 3

@@ -1,0 +1,68 @@
+"""Source patches and the bug catalog, without running SGLang."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+
+import pytest
+
+from contract_lib.patches import (BUILTIN_PATCHES, PatchError, bug_catalog, patch_source,
+                                  patch_spec)
+
+
+@pytest.fixture()
+def module(tmp_path, monkeypatch):
+    """A tiny module on disk (inspect needs a source file), fresh for every test."""
+    (tmp_path / "fake_sglang_module.py").write_text(
+        "def helper():\n    return 'real'\n\n\n"
+        "class Loop:\n"
+        "    def step(self):\n"
+        "        x = 1\n"
+        "        if x:\n"
+        "            x += 1\n"
+        "        return helper(), x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "fake_sglang_module", raising=False)
+    return importlib.import_module("fake_sglang_module")
+
+
+def test_patch_source_replaces_at_any_indentation(module, monkeypatch):
+    patch_source(module.Loop, "step", [("x += 1\n", "x += 10\n")], "t")
+    assert module.Loop().step() == ("real", 11)
+
+
+def test_patched_function_sees_later_rebinding_of_module_names(module, monkeypatch):
+    patch_source(module.Loop, "step", [("x = 1\n", "x = 2\n")], "t")
+    monkeypatch.setattr(module, "helper", lambda: "hooked")
+    assert module.Loop().step() == ("hooked", 3)
+
+
+def test_patch_source_fails_loudly_when_the_code_moved(module):
+    with pytest.raises(PatchError, match="found 0"):
+        patch_source(module.Loop, "step", [("y = 1\n", "y = 2\n")], "t")
+
+
+def test_patch_spec_combines_and_validates():
+    assert patch_spec(["fix-chained-accounting", "fix-idle-predicate"]) == (
+        "fix-chained-accounting+fix-idle-predicate")
+    assert patch_spec("my.module:fn") == "my.module:fn"
+    with pytest.raises(PatchError, match="unknown patch 'nope'"):
+        patch_spec("fix-idle-predicate+nope")
+    with pytest.raises(PatchError, match="cannot import it"):
+        patch_spec(lambda: None)
+
+
+def test_bug_catalog_replays_name_real_patches_and_workloads():
+    import contract_lib
+
+    bugs = bug_catalog()
+    assert {b["clause"] for b in bugs} == {1, 2, 3, 4, 5}
+    for bug in bugs:
+        assert {"id", "prs", "clause", "field", "symptom", "flags", "affected",
+                "replay"} <= set(bug)
+        for name in re.findall(r"patch ([\w-]+)", bug["replay"]):
+            assert name in BUILTIN_PATCHES, bug["id"]
+        for name in re.findall(r"workload ([\w-]+)", bug["replay"]):
+            assert name in contract_lib.workload_names(), bug["id"]
