@@ -41,6 +41,11 @@ BASE_SERVER_ARGS: dict[str, Any] = {
     "random_seed": 0,
 }
 
+# Extra patches applied to *every* run, after the run's own (``+``-separated): a way to
+# break or fix a clause across a whole suite, e.g. to see that the notebooks' compared
+# outputs change when a clause breaks.
+EXTRA_PATCH_ENV = "CONTRACT_LIB_EXTRA_PATCH"
+
 # Seconds without any message from the child before the run is declared hung.
 DEFAULT_HANG_TIMEOUT_S = 300.0
 
@@ -69,10 +74,11 @@ def run(
         raise RunSetupError(f"unknown loop {loop!r}; valid loops: {', '.join(LOOPS)}")
     if not isinstance(workload, Workload):
         workload = load_workload(workload)
+    patches = [p for p in (patch_spec(patch), os.environ.get(EXTRA_PATCH_ENV)) if p]
     spec = {
         "workload": workload.to_dict(),
         "loop": loop,
-        "patch": patch_spec(patch),
+        "patch": patch_spec("+".join(patches)) if patches else None,
         "server_args": dict(server_args or {}),
     }
     meta = {
