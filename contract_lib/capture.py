@@ -21,6 +21,8 @@ import collections
 import time
 from typing import Any, Callable
 
+import numpy as np
+
 from contract_lib.workloads import RequestSpec, Workload
 
 Emit = Callable[[tuple], None]
@@ -47,13 +49,16 @@ def _tolist(tensor) -> list:
 class Recorder:
     """Records frames of one run and streams them through ``emit`` as they are taken.
 
-    Messages are ``("row", table, row)`` and ``("update", table, key, value, fields)``;
-    a step's rows are emitted together at its boundary so a dying child loses nothing
-    that was taken.
+    Messages are ``("row", table, row)``, ``("rows", [(table, row), ...], slots)`` (a
+    step boundary's whole frame, sent together as soon as it is taken; ``slots`` holds
+    ``(step, rid, req_pool_idx, [slot...], [free...])`` per live request) and ``("update", table,
+    key, value, fields)``; nothing is buffered, so a dying child loses nothing taken.
     """
 
-    def __init__(self, scheduler, loop: str, workload: Workload, emit: Emit) -> None:
+    def __init__(self, scheduler, loop: str, workload: Workload, emit: Emit,
+                 capture: bool = True) -> None:
         self.s = scheduler
+        self.capture = capture
         self.loop = loop
         self.workload = workload
         self.emit = emit
@@ -88,6 +93,8 @@ class Recorder:
 
         s.ingest_requests = ingest_requests
         s._add_request_to_queue = add_request_to_queue
+        if not self.capture:
+            return  # feed and stop only: the baseline for the capture overhead
         s.process_batch_result = process_batch_result
         self._install_relay_hooks()
         if self.loop == "mlx":
@@ -168,6 +175,8 @@ class Recorder:
 
     def on_torch_launch(self, batch, tokens: list[int]) -> None:
         """Called by the torch model-free forward with the batch and the tokens it made."""
+        if not self.capture:
+            return
         rids = [req.rid for req in batch.reqs]
         for rid, seq_len, token in zip(rids, batch.seq_lens.tolist(), tokens):
             self.kv_computed[rid] = int(seq_len)
@@ -247,7 +256,8 @@ class Recorder:
 
     def on_step_boundary(self) -> None:
         self.step += 1
-        self.snapshot()
+        if self.capture:
+            self.snapshot()
         if self.done():
             raise StopRun()
         if self.step >= self.workload.max_steps:
@@ -278,7 +288,8 @@ class Recorder:
     def snapshot(self) -> None:
         s, step = self.s, self.step
         running, last = s.running_batch, s.last_batch
-        self.emit(("row", "steps", {
+        rows: list[tuple[str, dict[str, Any]]] = []
+        rows.append(("steps", {
             "step": step, "loop": self.loop, "forward_ct": s.forward_ct,
             "result_queue_len": len(getattr(s, "result_queue", ()) or ()),
             "is_fully_idle": bool(s.is_fully_idle()), "idle_probe": self._idle_probe(),
@@ -291,10 +302,11 @@ class Recorder:
         }))
         free = self._free_slots()
         rtt = s.req_to_token_pool.req_to_token
+        slot_rows = []
         for rid, req in self.reqs.items():
             kv = req.kv
             row = kv.req_pool_idx
-            self.emit(("row", "requests", {
+            rows.append(("requests", {
                 "step": step, "rid": rid, "prompt_len": len(req.origin_input_ids),
                 "emitted": len(req.output_ids), "finished": bool(req.finished()),
                 "req_pool_idx": row, "seq_len": self._seq_len(req, running, last),
@@ -307,11 +319,11 @@ class Recorder:
             if row is None or req.finished():
                 continue
             width = max(self.kv_computed.get(rid, 0), kv.kv_allocated_len)
-            for position, slot in enumerate(rtt[row, :width].tolist()):
-                self.emit(("row", "slots", {
-                    "step": step, "rid": rid, "req_pool_idx": row, "position": position,
-                    "slot": slot, "slot_free": slot in free,
-                }))
+            entries = rtt[row, :width].numpy()
+            slot_rows.append((step, rid, row, entries.tolist(), free[entries].tolist()))
+        # One message: the step's frame, taken together (slots column-wise, expanded by
+        # the parent into one row per position).
+        self.emit(("rows", rows, slot_rows))
 
     def _idle_probe(self) -> bool:
         """``is_fully_idle()`` with every term but the in-flight one masked to idle."""
@@ -338,9 +350,14 @@ class Recorder:
             "kv_uncached": int(uncached), "pool_leak": bool(leak),
         }
 
-    def _free_slots(self) -> set[int]:
+    def _free_slots(self) -> np.ndarray:
+        """A mask over slot ids: True where the allocator holds the slot as free
+        (``free_pages`` or ``release_pages``)."""
         allocator = self.s.token_to_kv_pool_allocator
-        return set(allocator.free_pages.tolist()) | set(allocator.release_pages.tolist())
+        mask = np.zeros(allocator.size + 1, dtype=bool)
+        mask[allocator.free_pages.numpy()] = True
+        mask[allocator.release_pages.numpy()] = True
+        return mask
 
     @staticmethod
     def _seq_len(req, running, last) -> int | None:
@@ -354,6 +371,8 @@ class Recorder:
 
     def finish(self) -> None:
         """Emit the outputs table (called once, whatever ended the run)."""
+        if not self.capture:
+            return
         for rid, req in self.reqs.items():
             for index, token in enumerate(req.output_ids):
                 self.emit(("row", "outputs", {"rid": rid, "index": index, "token": int(token)}))

@@ -19,8 +19,10 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from contract_lib import cache as frame_cache
 from contract_lib.frames import Frames
 from contract_lib.patches import PatchArg, patch_spec
+from contract_lib.pool import POOL
 from contract_lib.versions import require_supported_sglang
 from contract_lib.workloads import Workload, load_workload
 
@@ -61,6 +63,9 @@ def run(
     patch: PatchArg = None,
     server_args: dict[str, Any] | None = None,
     hang_timeout: float = DEFAULT_HANG_TIMEOUT_S,
+    cache: bool = True,
+    warm: bool = True,
+    capture: bool = True,
 ) -> Frames:
     """Drive ``workload`` through ``loop`` and return its frames, whatever happened.
 
@@ -69,6 +74,12 @@ def run(
     Patches run in the child before the Scheduler is built.
     The returned frames carry ``status`` (``finished``, ``crashed``, ``timeout``, ``died``)
     and, unless finished, ``error``.
+
+    ``cache``: serve and store finished runs from the frame cache (:mod:`contract_lib.cache`).
+    ``warm``: fork the run from a warm server that has SGLang imported
+    (:mod:`contract_lib.pool`) instead of starting a cold interpreter; same frames.
+    ``capture=False`` records nothing but the run's fate and timing (for measuring the
+    capture overhead); such runs are never cached.
     """
     if loop not in LOOPS:
         raise RunSetupError(f"unknown loop {loop!r}; valid loops: {', '.join(LOOPS)}")
@@ -80,6 +91,7 @@ def run(
         "loop": loop,
         "patch": patch_spec("+".join(patches)) if patches else None,
         "server_args": dict(server_args or {}),
+        "capture": capture,
     }
     meta = {
         "workload": workload.name,
@@ -88,7 +100,16 @@ def run(
         "server_args": {**workload.server_args, **spec["server_args"]},
         "sglang_version": require_supported_sglang(),
     }
-    return _run_child(spec, meta, hang_timeout)
+    use_cache = cache and capture and frame_cache.enabled()
+    if use_cache:
+        run_key = frame_cache.key(spec)
+        hit = frame_cache.load(run_key)
+        if hit is not None:
+            return hit
+    frames = _execute(spec, meta, hang_timeout, warm)
+    if use_cache:
+        frame_cache.store(run_key, frames)
+    return frames
 
 
 def run_many(jobs: list[dict[str, Any]], *, workers: int | None = None,
@@ -111,22 +132,40 @@ def run_many(jobs: list[dict[str, Any]], *, workers: int | None = None,
     return [future.result() for future in futures]
 
 
-def _run_child(spec: dict[str, Any], meta: dict[str, Any], hang_timeout: float) -> Frames:
+def _execute(spec: dict[str, Any], meta: dict[str, Any], hang_timeout: float,
+             warm: bool) -> Frames:
+    """Start the child (forked from a warm server, or a cold interpreter) and collect."""
+    log_fd, log_path = tempfile.mkstemp(prefix="contract_lib-", suffix=".log")
+    read_fd, write_fd = os.pipe()
+    server = POOL.acquire() if warm else None
+    if server is not None:
+        child = server.start_run(spec, write_fd, log_fd)
+    else:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        child = subprocess.Popen(
+            [sys.executable, "-c",
+             "from contract_lib.harness import _child_entry; _child_entry()", str(write_fd)],
+            stdin=subprocess.PIPE, stdout=log_fd, stderr=log_fd, pass_fds=(write_fd,),
+            env=env)
+    os.close(write_fd)
+    os.close(log_fd)
+    if server is None:
+        child.stdin.write(pickle.dumps(spec))
+        child.stdin.close()
+    try:
+        return _collect(Connection(read_fd, writable=False), child, meta, hang_timeout,
+                        log_path)
+    finally:
+        if server is not None:
+            (POOL.release if child.returncode is not None else POOL.discard)(server)
+
+
+def _collect(receiver: Connection, child, meta: dict[str, Any], hang_timeout: float,
+             log_path: str) -> Frames:
+    """Read the child's messages until it ends; turn them and its fate into Frames."""
     rows: dict[str, list[dict[str, Any]]] = {}
     index: dict[tuple[str, Any], dict[str, Any]] = {}
     end: tuple | None = None
-    log_fd, log_path = tempfile.mkstemp(prefix="contract_lib-", suffix=".log")
-    read_fd, write_fd = os.pipe()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    child = subprocess.Popen(
-        [sys.executable, "-c", "from contract_lib.harness import _child_entry; _child_entry()",
-         str(write_fd)],
-        stdin=subprocess.PIPE, stdout=log_fd, stderr=log_fd, pass_fds=(write_fd,), env=env)
-    os.close(write_fd)
-    os.close(log_fd)
-    child.stdin.write(pickle.dumps(spec))
-    child.stdin.close()
-    receiver = Connection(read_fd, writable=False)
     last_message = time.monotonic()
     hung = False
     while True:
@@ -142,6 +181,10 @@ def _run_child(spec: dict[str, Any], meta: dict[str, Any], hang_timeout: float) 
                 rows.setdefault(table, []).append(row)
                 if table == "launches":
                     index[(table, row["launch"])] = row
+            elif kind == "rows":
+                for table, row in message[1]:
+                    rows.setdefault(table, []).append(row)
+                rows.setdefault("slots", []).extend(_slot_rows(message[2]))
             elif kind == "update":
                 _, table, _key, value, fields = message
                 index[(table, value)].update(fields)
@@ -181,6 +224,16 @@ def _run_child(spec: dict[str, Any], meta: dict[str, Any], hang_timeout: float) 
     return Frames.from_rows(rows, meta)
 
 
+def _slot_rows(per_request: list[tuple]) -> list[dict[str, Any]]:
+    """Expand the column-wise slot message into one row per (step, request, position)."""
+    return [
+        {"step": step, "rid": rid, "req_pool_idx": row, "position": position,
+         "slot": slot, "slot_free": free}
+        for step, rid, row, slots, frees in per_request
+        for position, (slot, free) in enumerate(zip(slots, frees))
+    ]
+
+
 def _tail(path: str, lines: int = 40) -> str:
     try:
         text = Path(path).read_text(errors="replace")
@@ -195,18 +248,30 @@ def _tail(path: str, lines: int = 40) -> str:
 
 
 def _child_entry() -> None:
-    """Entry point of the child process: the run spec arrives pickled on stdin, messages
-    go back on the pipe whose fd is ``argv[1]``; stdout and stderr go to the run's log."""
+    """Entry point of a cold child process: the run spec arrives pickled on stdin,
+    messages go back on the pipe whose fd is ``argv[1]``; stdout and stderr go to the
+    run's log."""
     spec = pickle.loads(sys.stdin.buffer.read())
-    conn = Connection(int(sys.argv[1]), readable=False)
+    child_run(spec, Connection(int(sys.argv[1]), readable=False))
+    os._exit(0)  # skip SGLang's atexit teardown; everything was sent
+
+
+def child_run(spec: dict[str, Any], conn: Connection) -> None:
+    """One run inside its own process (cold or forked): build, loop, report the end."""
     emit = conn.send
     recorder = None
     phase = "setup"
     status, error = "finished", None
+    timing: dict[str, float] = {}
+    started = time.perf_counter()
     try:
-        scheduler, recorder = _build(spec, emit)
+        scheduler, recorder = _build(spec, emit, timing)
         phase = "loop"
-        scheduler.run_event_loop()
+        loop_started = time.perf_counter()
+        try:
+            scheduler.run_event_loop()
+        finally:
+            timing["loop_s"] = time.perf_counter() - loop_started
         status, error = "crashed", _error("loop returned without finishing the workload")
     except BaseException as exc:  # noqa: BLE001 - every fault is reported, not raised
         from contract_lib.capture import StepBudgetExceeded, StopRun
@@ -219,9 +284,10 @@ def _child_entry() -> None:
             status, error = "crashed", _error(str(exc), exc, phase)
     if recorder is not None:
         recorder.finish()
+    timing["total_s"] = time.perf_counter() - started
+    emit(("meta", {"timing": timing}))
     emit(("end", status, error))
     conn.close()
-    os._exit(0)  # skip SGLang's atexit teardown; everything was sent
 
 
 def _error(message: str, exc: BaseException | None = None, phase: str = "loop") -> dict:
@@ -234,7 +300,9 @@ def _error(message: str, exc: BaseException | None = None, phase: str = "loop") 
     }
 
 
-def _build(spec: dict[str, Any], emit):
+def _build(spec: dict[str, Any], emit, timing: dict[str, float]):
+    """Shims, patch, a real Scheduler and the capture hooks (wall times into ``timing``)."""
+    started = time.perf_counter()
     loop = spec["loop"]
     if loop == "mlx":
         os.environ["SGLANG_USE_MLX"] = "1"
@@ -242,7 +310,10 @@ def _build(spec: dict[str, Any], emit):
 
     applied = shims.install_import_shims()
     from sglang.srt import runtime_context
+    from sglang.srt.managers import scheduler as _scheduler_module  # noqa: F401
     from sglang.srt.server_args import PortArgs, ServerArgs
+
+    timing["import_s"] = time.perf_counter() - started
 
     from contract_lib.capture import Recorder
     from contract_lib.patches import apply_patch
@@ -269,11 +340,13 @@ def _build(spec: dict[str, Any], emit):
     scheduler_class = shims.scheduler_class_for(loop)
     if scheduler_class.__name__ != "Scheduler":
         applied.append("mlx-overlap-mixin")
+    built = time.perf_counter()
     scheduler = scheduler_class(server_args, port_args)
+    timing["build_s"] = time.perf_counter() - built
     scheduler.request_receiver = shims.ScriptedReceiver()
     applied.append("scripted-ingress")
     emit(("meta", {"shims": applied}))
-    recorder = Recorder(scheduler, loop, workload, emit)
+    recorder = Recorder(scheduler, loop, workload, emit, capture=spec.get("capture", True))
     holder["recorder"] = recorder
     recorder.install()
     return scheduler, recorder

@@ -60,19 +60,22 @@ def on_apple_silicon_with_mlx() -> bool:
 # --------------------------------------------------------------------------------------
 
 
-def install_import_shims() -> list[str]:
-    """Make ``import sglang.srt.managers.scheduler`` possible on Linux CPU.
+_IMPORT_SHIMS: list[str] = []  # in effect in this process (inherited by forked runs)
 
-    Returns the names of the shims applied (empty on a machine that needs none).
+
+def install_import_shims() -> list[str]:
+    """Make ``import sglang.srt.managers.scheduler`` possible on Linux CPU (idempotent).
+
+    Returns the names of the import shims in effect (empty where none is needed).
     """
-    applied = []
-    if importlib.util.find_spec("triton") is None:
+    if "triton-standin" not in _IMPORT_SHIMS and importlib.util.find_spec("triton") is None:
         _install_sglang_triton_standin()
-        applied.append("triton-standin")
-    if importlib.util.find_spec("torchvision") is None:
+        _IMPORT_SHIMS.append("triton-standin")
+    if ("torchvision-placeholder" not in _IMPORT_SHIMS
+            and importlib.util.find_spec("torchvision") is None):
         _install_torchvision_placeholder()
-        applied.append("torchvision-placeholder")
-    return applied
+        _IMPORT_SHIMS.append("torchvision-placeholder")
+    return list(_IMPORT_SHIMS)
 
 
 def _install_sglang_triton_standin() -> None:

@@ -1,0 +1,205 @@
+"""Warm workers: fork servers that import SGLang once and fork a fresh child per run.
+
+A cold run spends ~5 s importing SGLang before a ~1 s Scheduler build and a ~20 ms loop.
+A :class:`ForkServer` pays the import once; every run is still its own process (forked
+from the server, so nothing one run does to SGLang's classes or modules reaches the
+next), builds its own Scheduler, and streams its frames exactly as a cold child does.
+
+Protocol (one job at a time per server, over a UNIX socket pair): the client sends the
+pickled run spec together with two file descriptors (``socket.send_fds``): the write end
+of the run's message pipe and the run's log file. The server forks; it replies with the
+child's pid, then, after ``waitpid``, with the child's return code (negative: signal).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import select
+import socket
+import struct
+import subprocess
+import sys
+import threading
+
+_HEADER = struct.Struct("!I")
+
+
+def _send(sock: socket.socket, obj, fds: list[int] = ()) -> None:
+    payload = pickle.dumps(obj)
+    data = _HEADER.pack(len(payload)) + payload
+    if fds:
+        socket.send_fds(sock, [data], list(fds))
+    else:
+        sock.sendall(data)
+
+
+def _recv(sock: socket.socket, with_fds: int = 0):
+    if with_fds:
+        data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 20, with_fds)
+    else:
+        data, fds = sock.recv(_HEADER.size), []
+    if not data:
+        raise EOFError("fork server closed the connection")
+    while len(data) < _HEADER.size:
+        data += sock.recv(_HEADER.size - len(data))
+    (size,) = _HEADER.unpack(data[:_HEADER.size])
+    payload = data[_HEADER.size:]
+    while len(payload) < size:
+        chunk = sock.recv(size - len(payload))
+        if not chunk:
+            raise EOFError("fork server closed the connection")
+        payload += chunk
+    return pickle.loads(payload), fds
+
+
+class ForkServer:
+    """A server process with SGLang imported; :meth:`start_run` forks one child per run."""
+
+    def __init__(self) -> None:
+        parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", "from contract_lib.pool import serve; serve()",
+             str(child_end.fileno())],
+            pass_fds=(child_end.fileno(),), stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        child_end.close()
+        self.sock = parent_end
+        self.lock = threading.Lock()
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def start_run(self, spec: dict, write_fd: int, log_fd: int) -> "WarmChild":
+        _send(self.sock, spec, [write_fd, log_fd])
+        (kind, pid), _ = _recv(self.sock)
+        assert kind == "pid", kind
+        return WarmChild(self, pid)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        finally:
+            if self.alive():
+                self.process.kill()
+                self.process.wait()
+
+
+class WarmChild:
+    """The client's handle on one forked run (the interface of ``subprocess.Popen`` that
+    the harness uses: ``poll``, ``kill``, ``wait``, ``returncode``)."""
+
+    def __init__(self, server: ForkServer, pid: int) -> None:
+        self.server = server
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            readable, _, _ = select.select([self.server.sock], [], [], 0)
+            if readable:
+                self.wait()
+        return self.returncode
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, 9)
+        except ProcessLookupError:
+            pass
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.server.sock.settimeout(timeout)
+            try:
+                (kind, code), _ = _recv(self.server.sock)
+            finally:
+                self.server.sock.settimeout(None)
+            assert kind == "exit", kind
+            self.returncode = code
+        return self.returncode
+
+
+class Pool:
+    """Idle fork servers, started on demand and reused; closed at interpreter exit."""
+
+    def __init__(self) -> None:
+        self.idle: list[ForkServer] = []
+        self.lock = threading.Lock()
+        atexit.register(self.close)
+
+    def acquire(self) -> ForkServer:
+        with self.lock:
+            while self.idle:
+                server = self.idle.pop()
+                if server.alive():
+                    return server
+                server.close()
+        return ForkServer()
+
+    def release(self, server: ForkServer) -> None:
+        with self.lock:
+            if server.alive():
+                self.idle.append(server)
+
+    def discard(self, server: ForkServer) -> None:
+        server.close()
+
+    def close(self) -> None:
+        with self.lock:
+            servers, self.idle = self.idle, []
+        for server in servers:
+            server.close()
+
+
+POOL = Pool()
+
+
+# ------------------------------------------------------------------------------------------
+# The server side.
+# ------------------------------------------------------------------------------------------
+
+
+def preload() -> None:
+    """Import what every run imports (with the import-time shims), nothing run-specific:
+    per-loop shims and patches are applied in each forked child, never in the server."""
+    from contract_lib import shims
+
+    shims.install_import_shims()
+    import sglang.srt.hardware_backend.mlx.model_runner  # noqa: F401
+    import sglang.srt.hardware_backend.mlx.model_runner_stub  # noqa: F401
+    import sglang.srt.hardware_backend.mlx.runtime  # noqa: F401
+    import sglang.srt.hardware_backend.mlx.scheduler_mixin  # noqa: F401
+    import sglang.srt.hardware_backend.mlx.tp_worker  # noqa: F401
+    import sglang.srt.managers.scheduler  # noqa: F401
+    import sglang.srt.server_args  # noqa: F401
+
+
+def serve() -> None:
+    """Server main loop: one job at a time; exits when the client closes the socket."""
+    from multiprocessing.connection import Connection
+
+    from contract_lib.harness import child_run
+
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    preload()
+    while True:
+        try:
+            spec, fds = _recv(sock, with_fds=2)
+        except (EOFError, ConnectionError):
+            return
+        write_fd, log_fd = fds
+        pid = os.fork()
+        if pid == 0:
+            sock.close()
+            os.dup2(log_fd, 1)
+            os.dup2(log_fd, 2)
+            child_run(spec, Connection(write_fd, readable=False))
+            os._exit(0)
+        os.close(write_fd)
+        os.close(log_fd)
+        _send(sock, ("pid", pid))
+        _, status = os.waitpid(pid, 0)
+        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        _send(sock, ("exit", code))

@@ -1,0 +1,93 @@
+"""Warm workers give a cold run's frames; the frame cache never serves a stale entry."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+import contract_lib
+from contract_lib import cache
+
+
+def _assert_same_frames(a, b):
+    a, b = a.comparable(), b.comparable()
+    for name in a:
+        pd.testing.assert_frame_equal(a[name], b[name], obj=name)
+
+
+@pytest.mark.parametrize("loop", ["normal", "mlx"])
+def test_warm_run_equals_cold_run(loop):
+    cold = contract_lib.run("two-turn", loop, warm=False, cache=False)
+    warm = contract_lib.run("two-turn", loop, warm=True, cache=False)
+    assert cold.meta["shims"] == warm.meta["shims"]
+    _assert_same_frames(cold, warm)
+
+
+def test_runs_do_not_leak_state_between_forked_children():
+    patched = contract_lib.run("two-turn", "mlx", patch="fix-idle-predicate", cache=False)
+    plain = contract_lib.run("two-turn", "mlx", cache=False)
+    def probe_idle_in_flight(frames):
+        steps = frames.steps
+        return bool(steps[steps.result_queue_len > 0].idle_probe.any())
+
+    assert not probe_idle_in_flight(patched)
+    assert probe_idle_in_flight(plain)  # the patch did not survive into this run
+
+
+@pytest.fixture()
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONTRACT_LIB_CACHE_DIR", str(tmp_path / "frames"))
+    monkeypatch.delenv("CONTRACT_LIB_NO_CACHE", raising=False)
+    return tmp_path / "frames"
+
+
+def _spec(**changes):
+    spec = {"workload": contract_lib.load_workload("two-turn").to_dict(), "loop": "mlx",
+            "patch": None, "server_args": {}, "capture": True}
+    spec.update(changes)
+    return spec
+
+
+def test_cache_serves_a_finished_run_and_can_be_bypassed_and_cleared(private_cache):
+    first = contract_lib.run("single-decode", "normal")
+    assert "cached" not in first.meta and len(list(private_cache.glob("*.json"))) == 1
+    second = contract_lib.run("single-decode", "normal")
+    assert second.meta["cached"] is True
+    _assert_same_frames(first, second)
+    assert "cached" not in contract_lib.run("single-decode", "normal", cache=False).meta
+    assert cache.clear() == 1
+    assert "cached" not in contract_lib.run("single-decode", "normal").meta
+
+
+def test_faults_are_never_cached(private_cache):
+    contract_lib.run("two-turn", "normal", patch="user_patches:raise_in_loop")
+    assert not list(private_cache.glob("*.json"))
+
+
+def test_key_changes_with_everything_that_determines_a_run(monkeypatch, tmp_path):
+    base = cache.key(_spec())
+    workload = contract_lib.load_workload("two-turn").to_dict()
+    workload["requests"][0]["max_new_tokens"] += 1
+    assert cache.key(_spec(workload=workload)) != base
+    assert cache.key(_spec(loop="overlap")) != base
+    assert cache.key(_spec(patch="fix-idle-predicate")) != base
+    assert cache.key(_spec(server_args={"max_running_requests": 4})) != base
+    # an SGLang reinstall or another version
+    stamp = cache._install_stamp()
+    monkeypatch.setattr(cache, "_install_stamp",
+                        lambda: (("sglang", "0.5.24", 1),) + stamp[1:])
+    assert cache.key(_spec()) != base
+    monkeypatch.undo()
+    assert cache.key(_spec()) == base
+    # the library's own source
+    monkeypatch.setattr(cache, "_library_fingerprint", lambda: "edited")
+    assert cache.key(_spec()) != base
+
+
+def test_key_changes_with_a_user_patch_module_source(monkeypatch, tmp_path):
+    module = tmp_path / "my_triage_patch.py"
+    module.write_text("def apply():\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = cache.key(_spec(patch="my_triage_patch:apply"))
+    module.write_text("def apply():\n    print('changed')\n")
+    assert cache.key(_spec(patch="my_triage_patch:apply")) != before
