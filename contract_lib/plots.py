@@ -93,7 +93,7 @@ def _legend(fig: Figure, handles: list, ncols: int | None = None) -> None:
 def _int_ticks(ax, axis: str = "x") -> None:
     from matplotlib.ticker import MaxNLocator
 
-    (ax.xaxis if axis == "x" else ax.yaxis).set_major_locator(MaxNLocator(integer=True))
+    (ax.xaxis if axis == "x" else ax.yaxis).set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
 
 
 def _request_rows(frames: Frames, rid: str) -> pd.DataFrame:
