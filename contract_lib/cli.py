@@ -44,6 +44,14 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
                         metavar="KEY=VALUE", help="a ServerArgs override (repeatable)")
     parser.add_argument("--out", type=Path, help="where to write the frames (default: "
                         "data/frames/<workload>.<loop>[.<patch>].json)")
+    _add_speed_options(parser)
+
+
+def _add_speed_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-cache", action="store_true",
+                        help="neither serve nor store this run in the frame cache")
+    parser.add_argument("--cold", action="store_true", help="start a fresh interpreter "
+                        "instead of forking from a warm server (same frames, slower)")
 
 
 def _default_out(args) -> Path:
@@ -55,15 +63,16 @@ def _default_out(args) -> Path:
 
 def _run(args) -> Frames:
     frames = run(args.workload, args.loop, patch=args.patch,
-                 server_args=dict(args.server_arg))
+                 server_args=dict(args.server_arg), cache=not args.no_cache,
+                 warm=not args.cold)
     out = frames.save(args.out or _default_out(args))
-    print(run_summary(frames))
-    print(f"frames written to {out}")
+    print(f"frames written to {out}{' (from the frame cache)' if frames.meta.get('cached') else ''}")
     return frames
 
 
 def cmd_run(args) -> int:
     frames = _run(args)
+    print(run_summary(frames))
     print()
     print(step_table(frames))
     return 0 if frames.status == "finished" else 1
@@ -83,7 +92,8 @@ def cmd_status(args) -> int:
     from contract_lib.status import status
 
     result = status(workloads=args.workload or None, loops=tuple(args.loop or LOOPS),
-                    patch="+".join(args.patch) if args.patch else None)
+                    patch="+".join(args.patch) if args.patch else None,
+                    cache=not args.no_cache, warm=not args.cold)
     print(result.text())
     reference = result.reference_violations()
     if not reference.empty:
@@ -91,6 +101,16 @@ def cmd_status(args) -> int:
               "SGLang finding):")
         print(reference.to_string(index=False))
         return 1
+    return 0
+
+
+def cmd_cache(args) -> int:
+    from contract_lib import cache
+
+    if args.action == "clear":
+        print(f"removed {cache.clear()} cached runs from {cache.cache_dir()}")
+    else:
+        print(cache.cache_dir())
     return 0
 
 
@@ -116,7 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
                                help="restrict to these loops (repeatable)")
     status_parser.add_argument("--patch", action="append",
                                help="apply this patch to every run (repeatable)")
+    _add_speed_options(status_parser)
     status_parser.set_defaults(handler=cmd_status)
+    cache_parser = commands.add_parser("cache", help="manage the frame cache")
+    cache_parser.add_argument("action", choices=["clear", "path"])
+    cache_parser.set_defaults(handler=cmd_cache)
     return parser
 
 

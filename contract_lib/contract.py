@@ -166,10 +166,13 @@ def violation_message(v: dict[str, Any]) -> str:
             f"{v['loop']}: expected {v['expected']}, got {v['actual']}. {v['explanation']}")
 
 
-def _violations(clause: int, loop: str, rows: list[dict[str, Any]]) -> pd.DataFrame:
-    table = pd.DataFrame(
-        [{"clause": clause, "name": CLAUSES[clause], "loop": loop, "launch": None,
-          "rid": None, **row} for row in rows], columns=VIOLATION_COLUMNS)
+def _violations(clause: int, loop: str, rows: pd.DataFrame | list[dict[str, Any]]
+                ) -> pd.DataFrame:
+    """A clause's violation records in schema order, sorted by step (then launch)."""
+    table = pd.DataFrame(rows) if isinstance(rows, list) else rows
+    table = table.assign(clause=clause, name=CLAUSES[clause], loop=loop)
+    table = table.reindex(columns=VIOLATION_COLUMNS).astype({"launch": object, "rid": object})
+    table = table.where(table.notna(), None)
     return table.sort_values(["step", "launch"], kind="stable",
                              na_position="first").reset_index(drop=True)
 
@@ -178,6 +181,10 @@ def _live(requests: pd.DataFrame) -> pd.DataFrame:
     mask = (~requests["finished"].astype(bool) & requests["req_pool_idx"].notna()
             & requests["kv_computed"].notna())
     return requests[mask]
+
+
+def _ints(series: pd.Series) -> pd.Series:
+    return series.astype("int64").astype(str)
 
 
 # -- clause 1 ------------------------------------------------------------------------------
@@ -198,28 +205,36 @@ def check_slots(frames: Frames) -> ClauseResult:
     holders = by_slot["rid"].transform("nunique")
     positions = by_slot["position"].transform("nunique")
     any_private = by_slot["private"].transform("any")
-    shared = (holders > 1) & ((positions > 1) | any_private) & (slots["slot"] != 0)
     padding = slots["slot"] == 0
     free = slots["slot_free"].astype(bool) & ~padding
+    shared = (holders > 1) & ((positions > 1) | any_private) & ~padding & ~free
     bad = slots[padding | free | shared]
-    rows = []
-    for r in bad.itertuples(index=False):
-        if r.slot == 0:
-            actual, why = "slot 0", ("the padding slot: the scheduler never recorded this "
-                                     "position, so a pool sync would write its KV to slot 0")
-        elif r.slot_free:
-            actual, why = f"slot {r.slot} (free)", (
-                "a slot the allocator holds as free: a stale entry in a reused row")
-        else:
-            others = sorted(set(slots[(slots["step"] == r.step) & (slots["slot"] == r.slot)]
-                                ["rid"]) - {r.rid})
-            actual, why = f"slot {r.slot} (also held by {', '.join(others)})", (
-                "another live request's slot: a pool sync would overwrite its KV")
-        rows.append({"field": "req_to_token", "step": int(r.step), "rid": r.rid,
-                     "expected": f"an allocated slot of {r.rid} at position {r.position}",
-                     "actual": actual, "explanation": why})
+    padding, free, shared = padding[bad.index], free[bad.index], shared[bad.index]
+    slot = "slot " + _ints(bad["slot"])
+    others = pd.Series("", index=bad.index)
+    if shared.any():
+        rids = bad[shared].groupby(["step", "slot"])["rid"].transform(
+            lambda group: ", ".join(sorted(set(group))))
+        others[shared] = [", ".join(r for r in all_.split(", ") if r != own)
+                          for all_, own in zip(rids, bad.loc[shared, "rid"])]
+    actual = slot.where(~free, slot + " (free)").where(~shared, slot + " (also held by "
+                                                        + others + ")")
+    actual = actual.where(~padding, "slot 0")
+    explanation = pd.Series(
+        "another live request's slot: a pool sync would overwrite its KV", index=bad.index)
+    explanation = explanation.where(
+        ~free, "a slot the allocator holds as free: a stale entry in a reused row")
+    explanation = explanation.where(
+        ~padding, "the padding slot: the scheduler never recorded this position, so a "
+                  "pool sync would write its KV to slot 0")
+    rows = pd.DataFrame({
+        "field": "req_to_token", "step": bad["step"].astype("int64"), "rid": bad["rid"],
+        "expected": "an allocated slot of " + bad["rid"] + " at position "
+                    + _ints(bad["position"]),
+        "actual": actual, "explanation": explanation})
     checked = f"{len(slots)} (step, request, position) entries checked"
-    return ClauseResult(1, VIOLATED if rows else HOLDS, checked, _violations(1, loop, rows))
+    return ClauseResult(1, VIOLATED if len(rows) else HOLDS, checked,
+                        _violations(1, loop, rows))
 
 
 # -- clause 2 ------------------------------------------------------------------------------
@@ -234,25 +249,23 @@ def check_counters(frames: Frames) -> ClauseResult:
     if live.empty:
         return ClauseResult(2, NOT_EXERCISED, "no live request had a launched position",
                             _violations(2, loop, []))
-    rows = []
-    for column, field in _COUNTERS.items():
+    parts = []
+    for order, (column, field) in enumerate(_COUNTERS.items()):
         bad = live[live[column].notna() & (live[column] != live["kv_computed"])]
-        for r in bad.itertuples(index=False):
-            computed, value = int(r.kv_computed), int(getattr(r, column))
-            direction = "lags" if value < computed else "leads"
-            rows.append({
-                "field": field, "step": int(r.step), "rid": r.rid, "expected": computed,
-                "actual": value,
-                "explanation": f"{field} {direction} the {computed} positions the forward "
-                               f"computed by {abs(computed - value)}; radix insertion and "
-                               "release stop at the committed bound"})
-    order = {field: i for i, field in enumerate(_COUNTERS.values())}
-    violations = _violations(2, loop, rows)
-    violations = violations.sort_values(
-        ["step", "field"], key=lambda s: s.map(order) if s.name == "field" else s,
-        kind="stable").reset_index(drop=True)
+        computed, value = bad["kv_computed"].astype("int64"), bad[column].astype("int64")
+        direction = pd.Series("lags", index=bad.index).where(value < computed, "leads")
+        parts.append(pd.DataFrame({
+            "field": field, "step": bad["step"].astype("int64"), "rid": bad["rid"],
+            "expected": computed.astype(object), "actual": value.astype(object),
+            "explanation": f"{field} " + direction + " the " + computed.astype(str)
+                           + " positions the forward computed by "
+                           + (computed - value).abs().astype(str)
+                           + "; radix insertion and release stop at the committed bound",
+            "order": order}))
+    rows = pd.concat(parts).sort_values(["step", "order"], kind="stable").drop(
+        columns="order")
     note = f"{len(live)} (step, request) counter sets checked"
-    return ClauseResult(2, VIOLATED if rows else HOLDS, note, violations)
+    return ClauseResult(2, VIOLATED if len(rows) else HOLDS, note, _violations(2, loop, rows))
 
 
 # -- clause 3 ------------------------------------------------------------------------------
@@ -264,44 +277,43 @@ def check_stamps(frames: Frames) -> ClauseResult:
     if launches.empty:
         return ClauseResult(3, NOT_EXERCISED, "no forward was launched",
                             _violations(3, loop, []))
-    rows = []
-    previous_ct = int(frames.steps["forward_ct"].iloc[0])
-    previous_ts = None
-    for r in launches.itertuples(index=False):
-        base = {"step": int(r.step), "launch": int(r.launch)}
-        if r.forward_ct != previous_ct + 1:
-            rows.append({**base, "field": "forward_ct", "expected": previous_ct + 1,
-                         "actual": int(r.forward_ct),
-                         "explanation": "a launch must advance forward_ct by one; the "
-                                        "watchdog and the profiler count launches by it"})
-        previous_ct = int(r.forward_ct)
-        processed = r.processed_step is not None and not pd.isna(r.processed_step)
-        if not processed:
-            continue
-        base["step"] = int(r.processed_step)
-        if pd.isna(r.processed_forward_iter) or r.processed_forward_iter != r.forward_ct:
-            rows.append({**base, "field": "forward_iter", "expected": int(r.forward_ct),
-                         "actual": _plain(r.processed_forward_iter),
-                         "explanation": "process_batch_result received a batch whose "
-                                        "forward_iter is not its launch's forward_ct"})
-        ts = r.processed_launch_ts
-        if ts is None or pd.isna(ts):
-            rows.append({**base, "field": "launch_ts", "expected": "a monotonic timestamp",
-                         "actual": None,
-                         "explanation": "process_batch_result received a batch with no "
-                                        "launch_ts; _record_step_counters subtracts it"})
-        else:
-            if previous_ts is not None and ts < previous_ts:
-                rows.append({**base, "field": "launch_ts",
-                             "expected": f">= {previous_ts:.6f}", "actual": f"{ts:.6f}",
-                             "explanation": "launch_ts went backwards between launches"})
-            previous_ts = ts
+    ct = launches["forward_ct"].astype("int64")
+    expected_ct = ct.shift(1, fill_value=int(frames.steps["forward_ct"].iloc[0])) + 1
+    bad_ct = launches[ct != expected_ct]
+    parts = [pd.DataFrame({
+        "field": "forward_ct", "step": bad_ct["step"], "launch": bad_ct["launch"],
+        "expected": expected_ct[bad_ct.index].astype(object),
+        "actual": ct[bad_ct.index].astype(object),
+        "explanation": "a launch must advance forward_ct by one; the watchdog and the "
+                       "profiler count launches by it"})]
+    processed = launches[launches["processed_step"].notna()]
+    iters = processed["processed_forward_iter"]
+    bad_iter = processed[iters.isna() | (iters != processed["forward_ct"])]
+    parts.append(pd.DataFrame({
+        "field": "forward_iter", "step": bad_iter["processed_step"],
+        "launch": bad_iter["launch"], "expected": bad_iter["forward_ct"].astype(object),
+        "actual": bad_iter["processed_forward_iter"].astype(object),
+        "explanation": "process_batch_result received a batch whose forward_iter is not "
+                       "its launch's forward_ct"}))
+    ts = pd.to_numeric(processed["processed_launch_ts"], errors="coerce")
+    missing = processed[ts.isna()]
+    parts.append(pd.DataFrame({
+        "field": "launch_ts", "step": missing["processed_step"], "launch": missing["launch"],
+        "expected": "a monotonic timestamp", "actual": None,
+        "explanation": "process_batch_result received a batch with no launch_ts; "
+                       "_record_step_counters subtracts it"}))
+    previous = ts.ffill().shift(1)
+    backwards = processed[ts < previous]
+    parts.append(pd.DataFrame({
+        "field": "launch_ts", "step": backwards["processed_step"],
+        "launch": backwards["launch"],
+        "expected": [f">= {value:.6f}" for value in previous[backwards.index]],
+        "actual": [f"{value:.6f}" for value in ts[backwards.index]],
+        "explanation": "launch_ts went backwards between launches"}))
+    rows = pd.concat([p for p in parts if len(p)] or [pd.DataFrame(columns=["step"])])
+    rows["step"] = rows["step"].astype("int64")
     note = f"{len(launches)} launches checked"
-    return ClauseResult(3, VIOLATED if rows else HOLDS, note, _violations(3, loop, rows))
-
-
-def _plain(value):
-    return None if value is None or pd.isna(value) else int(value)
+    return ClauseResult(3, VIOLATED if len(rows) else HOLDS, note, _violations(3, loop, rows))
 
 
 # -- clause 4 ------------------------------------------------------------------------------
@@ -318,24 +330,22 @@ def check_relay(frames: Frames) -> ClauseResult:
         return ClauseResult(4, HOLDS, f"relay never read over {decode_launches} decode/mixed "
                             "launches (provably unread)", _violations(4, loop, []))
     bad = reads[~reads["published_for_rid"].astype(bool)]
-    rows = []
-    for r in bad.itertuples(index=False):
-        poisoned = r.value == -1
-        if r.kind == "mixed":
-            fate = ("reached batch.input_ids of a mixed batch (torch.cat with the prefill "
-                    "ids; on MPS this is the #32591 segfault)")
-            if loop == "mlx":
-                fate += "; the MLX decode lane then takes its token from the runner, so "\
-                        "the model discarded the value"
-        else:
-            fate = "became the decode input id of the forward"
-        rows.append({
-            "field": "output_tokens_buf", "step": int(r.step), "launch": int(r.launch),
-            "rid": r.rid, "expected": "the token last published for this request",
-            "actual": f"{int(r.value)} ({'never written' if poisoned else 'stale'})",
-            "explanation": f"row {int(r.row)} read unpublished; the value {fate}"})
+    fate = pd.Series("became the decode input id of the forward", index=bad.index)
+    mixed_fate = ("reached batch.input_ids of a mixed batch (torch.cat with the prefill ids; "
+                  "on MPS this is the #32591 segfault)")
+    if loop == "mlx":
+        mixed_fate += ("; the MLX decode lane then takes its token from the runner, so the "
+                       "model discarded the value")
+    fate = fate.where(bad["kind"] != "mixed", mixed_fate)
+    written = pd.Series("stale", index=bad.index).where(bad["value"] != -1, "never written")
+    rows = pd.DataFrame({
+        "field": "output_tokens_buf", "step": bad["step"].astype("int64"),
+        "launch": bad["launch"], "rid": bad["rid"],
+        "expected": "the token last published for this request",
+        "actual": _ints(bad["value"]) + " (" + written + ")",
+        "explanation": "row " + _ints(bad["row"]) + " read unpublished; the value " + fate})
     note = f"{len(reads)} relay reads checked"
-    return ClauseResult(4, VIOLATED if rows else HOLDS, note, _violations(4, loop, rows))
+    return ClauseResult(4, VIOLATED if len(rows) else HOLDS, note, _violations(4, loop, rows))
 
 
 # -- clause 5 ------------------------------------------------------------------------------
@@ -353,23 +363,16 @@ def check_idle_predicate(frames: Frames) -> ClauseResult:
         return ClauseResult(5, NOT_EXERCISED, "no step held in-flight work",
                             _violations(5, loop, []))
     bad = in_flight[in_flight["idle_probe"].astype(bool)]
-    rows = []
-    for r in bad.itertuples(index=False):
-        masked = not r.is_fully_idle
-        rows.append({
-            "field": "result_queue", "step": int(r.step),
-            "expected": "not idle (in-flight term)",
-            "actual": f"idle with {int(r.result_queue_len)} job(s) queued",
-            "explanation": ("the in-flight term ignores this loop's result_queue; the real "
-                            "predicate said busy only because the running/last batch terms "
-                            "did" if masked else
-                            "the predicate reported idle while work was in flight")})
-    if not rows:
-        status = HOLDS
-    elif all(not r.is_fully_idle for r in bad.itertuples(index=False)):
-        status = MASKED
-    else:
-        status = VIOLATED
+    masked = ~bad["is_fully_idle"].astype(bool)
+    rows = pd.DataFrame({
+        "field": "result_queue", "step": bad["step"].astype("int64"),
+        "expected": "not idle (in-flight term)",
+        "actual": "idle with " + _ints(bad["result_queue_len"]) + " job(s) queued",
+        "explanation": pd.Series(
+            "the predicate reported idle while work was in flight", index=bad.index).where(
+            ~masked, "the in-flight term ignores this loop's result_queue; the real "
+                     "predicate said busy only because the running/last batch terms did")})
+    status = HOLDS if bad.empty else MASKED if masked.all() else VIOLATED
     note = f"{len(in_flight)} steps with in-flight work checked"
     return ClauseResult(5, status, note, _violations(5, loop, rows))
 

@@ -74,11 +74,12 @@ class Status:
 
 
 def status(workloads: list[str] | None = None, loops: tuple[str, ...] = LOOPS,
-           patch: PatchArg = None, progress: bool = True) -> Status:
+           patch: PatchArg = None, progress: bool = True, cache: bool = True,
+           warm: bool = True) -> Status:
     """Run and check every workload through every loop (in parallel)."""
     workloads = workloads or workload_names()
     spec = patch_spec(patch)
     keys = [(w, loop) for w in workloads for loop in loops]
-    frames = run_many([{"workload": w, "loop": loop, "patch": spec} for w, loop in keys],
-                      progress=progress)
+    frames = run_many([{"workload": w, "loop": loop, "patch": spec, "cache": cache,
+                        "warm": warm} for w, loop in keys], progress=progress)
     return Status({key: check(f) for key, f in zip(keys, frames)})
