@@ -56,9 +56,14 @@ class Recorder:
     """
 
     def __init__(self, scheduler, loop: str, workload: Workload, emit: Emit,
-                 capture: bool = True) -> None:
+                 capture: bool = True, audit: bool = False) -> None:
         self.s = scheduler
         self.capture = capture
+        self.effects = None
+        if audit:
+            from contract_lib.effects import EffectsRecorder
+
+            self.effects = EffectsRecorder()
         self.loop = loop
         self.workload = workload
         self.emit = emit
@@ -97,6 +102,8 @@ class Recorder:
             return  # feed and stop only: the baseline for the capture overhead
         s.process_batch_result = process_batch_result
         self._install_relay_hooks()
+        if self.effects is not None:
+            self.effects.install(s)
         if self.loop == "mlx":
             self._install_mlx_launch_hooks()
 
@@ -256,6 +263,9 @@ class Recorder:
 
     def on_step_boundary(self) -> None:
         self.step += 1
+        if self.effects is not None:
+            self.effects.active = False  # the capture's own reads and writes are not effects
+            self._emit_effects()
         if self.capture:
             self.snapshot()
         if self.done():
@@ -265,6 +275,14 @@ class Recorder:
                 f"workload {self.workload.name!r} did not finish within its step budget "
                 f"of {self.workload.max_steps} steps")
         self.feed()
+        if self.effects is not None:
+            self.effects.step = self.step
+            self.effects.active = True
+
+    def _emit_effects(self) -> None:
+        rows = [("effects", row) for row in self.effects.take(self.loop)]
+        if rows:
+            self.emit(("rows", rows, []))
 
     def done(self) -> bool:
         return (len(self.fed) == len(self.workload.requests)
@@ -371,6 +389,9 @@ class Recorder:
 
     def finish(self) -> None:
         """Emit the outputs table (called once, whatever ended the run)."""
+        if self.effects is not None:
+            self.effects.active = False
+            self._emit_effects()
         if not self.capture:
             return
         for rid, req in self.reqs.items():

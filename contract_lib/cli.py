@@ -104,6 +104,28 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_audit(args) -> int:
+    from contract_lib.audit import audit
+
+    result = audit(args.workload, patch="+".join(args.patch) if args.patch else None)
+    print(result.text())
+    return 0
+
+
+def cmd_trace(args) -> int:
+    from contract_lib.trace import write_trace
+
+    loops = args.loop or ["normal", "mlx"]
+    patch = "+".join(args.patch) if args.patch else None
+    runs = [run(args.workload, loop, patch=patch, cache=not args.no_cache,
+                warm=not args.cold) for loop in loops]
+    out = args.out or FRAMES_DIR / f"{Path(args.workload).stem}.{'-'.join(loops)}.trace.json"
+    path = write_trace(runs, out, wall_clock=args.wall_clock)
+    print(f"trace of {', '.join(loops)} on {args.workload} written to {path}; open it in "
+          "https://ui.perfetto.dev (Open trace file) or chrome://tracing")
+    return 0
+
+
 def cmd_cache(args) -> int:
     from contract_lib import cache
 
@@ -138,6 +160,24 @@ def build_parser() -> argparse.ArgumentParser:
                                help="apply this patch to every run (repeatable)")
     _add_speed_options(status_parser)
     status_parser.set_defaults(handler=cmd_status)
+    audit_parser = commands.add_parser(
+        "audit", help="effects audit: what the torch loops' steps write that mlx does not")
+    audit_parser.add_argument("--workload", default="two-turn")
+    audit_parser.add_argument("--patch", action="append", help="apply to every loop's run")
+    audit_parser.set_defaults(handler=cmd_audit)
+    trace_parser = commands.add_parser(
+        "trace", help="write a Chrome/Perfetto trace of one or more loops on a workload")
+    trace_parser.add_argument("--loop", action="append", choices=LOOPS,
+                              help="a loop to include, one process each (repeatable; "
+                                   "default: normal and mlx)")
+    trace_parser.add_argument("--workload", required=True)
+    trace_parser.add_argument("--patch", action="append")
+    trace_parser.add_argument("--out", type=Path, help="default: data/frames/"
+                              "<workload>.<loops>.trace.json")
+    trace_parser.add_argument("--wall-clock", action="store_true",
+                              help="real step times instead of synthetic, byte-stable ones")
+    _add_speed_options(trace_parser)
+    trace_parser.set_defaults(handler=cmd_trace)
     cache_parser = commands.add_parser("cache", help="manage the frame cache")
     cache_parser.add_argument("action", choices=["clear", "path"])
     cache_parser.set_defaults(handler=cmd_cache)

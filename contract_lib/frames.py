@@ -17,6 +17,9 @@ Tables (pandas DataFrames; the column lists below are the schema):
 - ``relay``: every read of ``future_map.output_tokens_buf`` by ``resolve_forward_inputs``
   and every write to it. The buffer is poisoned with -1 at construction.
 - ``outputs``: the emitted token ids per request, at the end of the run.
+- ``effects`` (audit runs only): per step, every attribute written on the contract's
+  objects, with the SGLang code location that wrote it and how often
+  (:mod:`contract_lib.effects`).
 
 ``WALL_CLOCK_COLUMNS`` are kept out of every comparison between runs.
 """
@@ -30,7 +33,7 @@ from typing import Any
 
 import pandas as pd
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 COLUMNS: dict[str, list[str]] = {
     "steps": [
@@ -55,6 +58,7 @@ COLUMNS: dict[str, list[str]] = {
         "last_published", "published_for_rid",
     ],
     "outputs": ["rid", "index", "token"],
+    "effects": ["step", "loop", "object", "field", "location", "count", "changed"],
 }
 
 WALL_CLOCK_COLUMNS: dict[str, list[str]] = {

@@ -66,6 +66,7 @@ def run(
     cache: bool = True,
     warm: bool = True,
     capture: bool = True,
+    audit: bool = False,
 ) -> Frames:
     """Drive ``workload`` through ``loop`` and return its frames, whatever happened.
 
@@ -79,7 +80,9 @@ def run(
     ``warm``: fork the run from a warm server that has SGLang imported
     (:mod:`contract_lib.pool`) instead of starting a cold interpreter; same frames.
     ``capture=False`` records nothing but the run's fate and timing (for measuring the
-    capture overhead); such runs are never cached.
+    capture overhead); such runs are never cached. ``audit=True`` also records every
+    write to the contract's objects into the ``effects`` table (slow; see
+    :mod:`contract_lib.audit`).
     """
     if loop not in LOOPS:
         raise RunSetupError(f"unknown loop {loop!r}; valid loops: {', '.join(LOOPS)}")
@@ -92,6 +95,7 @@ def run(
         "patch": patch_spec("+".join(patches)) if patches else None,
         "server_args": dict(server_args or {}),
         "capture": capture,
+        "audit": audit,
     }
     meta = {
         "workload": workload.name,
@@ -346,7 +350,8 @@ def _build(spec: dict[str, Any], emit, timing: dict[str, float]):
     scheduler.request_receiver = shims.ScriptedReceiver()
     applied.append("scripted-ingress")
     emit(("meta", {"shims": applied}))
-    recorder = Recorder(scheduler, loop, workload, emit, capture=spec.get("capture", True))
+    recorder = Recorder(scheduler, loop, workload, emit, capture=spec.get("capture", True),
+                        audit=spec.get("audit", False))
     holder["recorder"] = recorder
     recorder.install()
     return scheduler, recorder

@@ -1,0 +1,89 @@
+"""The effects audit finds what the clauses know and what they do not; traces are valid."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from contract_lib.audit import audit, readers
+from contract_lib.trace import build_trace
+
+
+def _fields(result):
+    return {f"{o}.{f}" for o, f in zip(result.findings.object, result.findings.field)}
+
+
+@pytest.fixture(scope="module")
+def two_turn_audit():
+    return audit("two-turn", progress=False)
+
+
+def test_audit_names_the_fields_mlx_does_not_write(two_turn_audit):
+    fields = _fields(two_turn_audit)
+    # covered by clauses 1 and 2
+    assert {"ReqKvInfo.kv_committed_len", "ScheduleBatch.seq_lens",
+            "ReqToTokenPool.req_to_token[]", "allocator.free_pages"} <= fields
+    # not covered by any clause: the run_batch bookkeeping the MLX loop never mirrors
+    uncovered = two_turn_audit.findings[two_turn_audit.findings.clause.isna()]
+    assert "Scheduler.processed_tokens_counter" in set(uncovered.object + "." + uncovered.field)
+    row = two_turn_audit.findings.set_index("field").loc["processed_tokens_counter"]
+    assert (row["normal"], row["mlx"]) == ("every decode launch", "never")
+    assert row["readers"] >= 1 and row["written_by"] == ["managers/scheduler.py:run_batch"]
+
+
+def test_audit_sees_forward_ct_only_when_it_is_broken(two_turn_audit):
+    assert "Scheduler.forward_ct" not in _fields(two_turn_audit)
+    broken = audit("two-turn", patch="no-forward-ct", progress=False)
+    assert "Scheduler.forward_ct" in _fields(broken)
+    row = broken.findings.set_index("field").loc["forward_ct"]
+    assert row["mlx"] == "never" and row["clause"] == 3
+
+
+def test_readers_finds_real_read_sites_and_skips_assignments():
+    count, sites = readers("processed_tokens_counter", limit=50)
+    assert count >= 1
+    assert any(site.startswith("managers/scheduler.py:") for site in sites)
+
+
+def _check_trace(trace):
+    events = trace["traceEvents"]
+    assert json.loads(json.dumps(trace)) == trace
+    for event in events:
+        assert {"ph", "pid", "name"} <= set(event)
+        if event["ph"] in ("X", "i", "C"):
+            assert isinstance(event["ts"], (int, float))
+        if event["ph"] == "X":
+            assert event["dur"] > 0 and "tid" in event
+    tracks = {}
+    for event in events:
+        if event["ph"] == "X":
+            tracks.setdefault((event["pid"], event["tid"]), []).append(
+                (event["ts"], event["ts"] + event["dur"]))
+    for spans in tracks.values():
+        spans.sort()
+        stack = []
+        for begin, end in spans:
+            while stack and stack[-1] <= begin:
+                stack.pop()
+            assert not stack or end <= stack[-1], "slices on one track must nest"
+            stack.append(end)
+    return events
+
+
+def test_trace_is_valid_nested_and_byte_stable(run_cached):
+    runs = [run_cached("two-turn", "normal"), run_cached("two-turn", "mlx")]
+    trace = build_trace(runs)
+    events = _check_trace(trace)
+    assert {e["pid"] for e in events} == {1, 2}
+    names = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert {"scheduler step", "launches: fresh #0", "launches: chained #0",
+            "request a2"} <= names
+    violations = [e for e in events if e.get("cat") == "violation"]
+    assert violations and all(e["pid"] == 2 for e in violations)
+    assert {"clause", "field", "expected", "actual"} <= set(violations[0]["args"])
+    assert json.dumps(build_trace(runs)) == json.dumps(trace)
+
+
+def test_wall_clock_trace_is_valid_too(run_cached):
+    _check_trace(build_trace([run_cached("mixed-chunk", "mlx")], wall_clock=True))
