@@ -20,8 +20,8 @@ Views, by clause:
 - clause 3: :func:`step_stamps`, :func:`stamps_table`;
 - clause 4: :func:`relay_events`;
 - clause 5: :func:`idle_predicate`;
-- triage: :func:`report_table`, :func:`first_violation`, :func:`frames_around`,
-  :func:`crash_summary`, :func:`step_snapshot`, :func:`step_figure`,
+- triage: :func:`report_table`, :func:`first_violation`, :func:`triage_focus`,
+  :func:`frames_around`, :func:`crash_summary`, :func:`bug_card`, :func:`step_snapshot`, :func:`step_figure`,
   :func:`step_explorer` (ipywidgets).
 """
 
@@ -119,6 +119,21 @@ def _post_steps(steps: Sequence[int], values: Sequence[float]):
     return steps + [steps[-1] + 1], values + [values[-1]]
 
 
+def _no_frames(ax, frames: Frames, name: str, summary: list[str]) -> bool:
+    """Mark a panel whose run recorded no step (it died in setup); True if so."""
+    if not frames.steps.empty:
+        return False
+    reason = f"run {frames.status}"
+    if frames.error:
+        reason += f":\n{frames.error['type']}: {textwrap.shorten(frames.error['message'], 50)}"
+    ax.text(0.5, 0.5, f"no frames recorded\n({reason})", ha="center", va="center",
+            transform=ax.transAxes, color=VERMILLION, fontsize=9)
+    ax.set_title(name, fontsize=10)
+    ax.set_xlabel("step (scheduler-loop iteration)")
+    summary.append(f"{name}: no frames")
+    return True
+
+
 # -- overview: launch timeline ---------------------------------------------------------------
 
 _LAUNCH_KINDS = [
@@ -150,6 +165,8 @@ def launch_timeline(*runs: Frames, labels: Sequence[str] | None = None) -> Figur
     fig, axes = _figure(len(runs), sharey=True)
     summary = []
     for ax, frames, name in zip(axes[0], runs, names):
+        if _no_frames(ax, frames, name, summary):
+            continue
         table = launch_kinds(frames)
         bottom = np.zeros(len(table))
         for kind, _, colour, hatch in _LAUNCH_KINDS:
@@ -242,6 +259,8 @@ def slot_grid(*runs: Frames, rid: str, labels: Sequence[str] | None = None,
     cmap = ListedColormap([colour for _, colour in SLOT_STATES.values()])
     summary = []
     for ax, frames, name in zip(axes[0], runs, names):
+        if _no_frames(ax, frames, name, summary):
+            continue
         states = slot_states(frames)
         states = states[states["rid"] == rid]
         if states.empty:
@@ -310,6 +329,8 @@ def counter_drift(*runs: Frames, rid: str, labels: Sequence[str] | None = None) 
     fig, axes = _figure(len(runs), sharey=True)
     summary = []
     for ax, frames, name in zip(axes[0], runs, names):
+        if _no_frames(ax, frames, name, summary):
+            continue
         rows = _request_rows(frames, rid)
         live = rows[_live_mask(rows)]
         for column, _, style in _COUNTER_STYLES:
@@ -368,10 +389,11 @@ def radix_reuse_table(*runs: Frames, rid: str = "a2", labels: Sequence[str] | No
         parent, ideal = _reuse_ideal(runs[0], rid)
     rows = []
     for frames, name in zip(runs, names):
-        cached = int(_request_rows(frames, rid)["cached_tokens"].iloc[-1])
+        seen = frames.requests[frames.requests["rid"] == rid]
+        cached = int(seen["cached_tokens"].iloc[-1]) if len(seen) else None
         rows.append({"run": name, "cached_tokens": cached, "ideal": ideal,
-                     "difference": cached - ideal})
-    table = pd.DataFrame(rows)
+                     "difference": None if cached is None else cached - ideal})
+    table = pd.DataFrame(rows).astype({"cached_tokens": "Int64", "difference": "Int64"})
     table.attrs["parent"] = parent
     return table
 
@@ -384,15 +406,17 @@ def radix_reuse(*runs: Frames, rid: str = "a2", labels: Sequence[str] | None = N
     parent = table.attrs.get("parent")
     fig = Figure(figsize=(max(6.5, 1.9 * len(table) + 2.5), 4.6), layout="constrained")
     ax = fig.subplots()
-    colours = [GREEN if c >= ideal else VERMILLION for c in table["cached_tokens"]]
-    bars = ax.bar(table["run"], table["cached_tokens"], color=colours, width=0.6)
-    ax.bar_label(bars, labels=[f"{c} ({d:+d})" for c, d in
+    cached = table["cached_tokens"].fillna(0).astype(int)
+    colours = [GREY if pd.isna(c) else GREEN if c >= ideal else VERMILLION
+               for c in table["cached_tokens"]]
+    bars = ax.bar(table["run"], cached, color=colours, width=0.6)
+    ax.bar_label(bars, labels=["never ran" if pd.isna(c) else f"{c} ({d:+d})" for c, d in
                                zip(table["cached_tokens"], table["difference"])],
                  padding=2, fontsize=9)
     ax.axhline(ideal, color="black", linestyle="--", linewidth=1.2)
     ax.set_ylabel(f"cached_tokens of {rid} (prefix served by the radix tree)")
     ax.set_xlabel("run")
-    ax.set_ylim(0, max(ideal, int(table["cached_tokens"].max())) * 1.18)
+    ax.set_ylim(0, max(ideal, int(cached.max())) * 1.18)
     ax.tick_params(axis="x", labelsize=8.5)
     whose = f"{parent}'s prompt + output - 1" if parent else "ideal"
     handles = [Line2D([], [], color="black", linestyle="--",
@@ -401,7 +425,7 @@ def radix_reuse(*runs: Frames, rid: str = "a2", labels: Sequence[str] | None = N
                Patch(facecolor=GREEN, label="reuses at least the ideal"),
                Patch(facecolor=VERMILLION, label="re-computes cached KV (cache loss)")]
     _legend(fig, handles, ncols=2)
-    short = table[table["difference"] < 0]
+    short = table[table["difference"].fillna(0) < 0]
     said = ", ".join(f"{r.run} loses {-r.difference}" for r in short.itertuples())
     _titles(fig, f"Clause 2 downstream: radix reuse of the second turn {rid}",
             (said or "no run loses cached tokens") + "; each lost token is a position "
@@ -444,6 +468,12 @@ def step_stamps(*runs: Frames, labels: Sequence[str] | None = None) -> Figure:
                 "-": dict(marker="s", color=GREY)}
     for col, (frames, name) in enumerate(zip(runs, names)):
         ax, lane = axes[0][col], axes[1][col]
+        if frames.launches.empty:
+            if not _no_frames(ax, frames, name, summary):
+                ax.text(0.5, 0.5, "no launch", ha="center", transform=ax.transAxes)
+                summary.append(f"{name}: no launch")
+            lane.set_xlabel("launch (in launch order)")
+            continue
         table = stamps_table(frames)
         x = table["launch"]
         ax.plot(x, table["expected_ct"], color=GREY, linestyle="--", linewidth=1.2)
@@ -511,6 +541,8 @@ def relay_events(*runs: Frames, labels: Sequence[str] | None = None) -> Figure:
         "unpublished": dict(marker="X", color=VERMILLION, markersize=10),
     }
     for ax, frames, name in zip(axes[0], runs, names):
+        if _no_frames(ax, frames, name, summary):
+            continue
         relay = frames.relay
         mixed_steps = sorted(set(frames.launches.loc[frames.launches["mode"] == "mixed",
                                                      "step"]))
@@ -584,6 +616,8 @@ def idle_predicate(*runs: Frames, labels: Sequence[str] | None = None) -> Figure
     code = {name: i for i, (name, *_) in enumerate(_IDLE_CELLS)}
     summary = []
     for ax, frames, name in zip(axes[0], runs, names):
+        if _no_frames(ax, frames, name, summary):
+            continue
         steps = frames.steps.sort_values("step")
         queue = steps["result_queue_len"].astype(int).to_numpy()
         grid = np.zeros((3, len(steps)))
@@ -638,6 +672,25 @@ def report_table(report: Report) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def text_table(table: pd.DataFrame) -> str:
+    """A DataFrame as plain text with text columns left-aligned and numbers
+    right-aligned (``DataFrame.to_string`` right-aligns everything)."""
+    def cell(value) -> str:
+        return "-" if value is None or (not isinstance(value, str) and pd.isna(value)) \
+            else str(value)
+
+    columns = list(table.columns)
+    cells = [[cell(v) for v in table[c]] for c in columns]
+    numeric = [pd.api.types.is_numeric_dtype(table[c]) and not
+               pd.api.types.is_bool_dtype(table[c]) for c in columns]
+    widths = [max([len(str(c))] + [len(v) for v in col]) for c, col in zip(columns, cells)]
+    def line(values):
+        return "  ".join(v.rjust(w) if num else v.ljust(w)
+                         for v, w, num in zip(values, widths, numeric)).rstrip()
+    return "\n".join([line([str(c) for c in columns])]
+                     + [line(row) for row in zip(*cells)])
+
+
 def first_violation(report: Report) -> dict[str, Any] | None:
     """The first violation of the lowest violated clause (what ``assert_contract``
     raises), or None when every clause holds."""
@@ -646,6 +699,42 @@ def first_violation(report: Report) -> dict[str, Any] | None:
         if first is not None:
             return first
     return None
+
+
+def triage_focus(frames: Frames, report: Report) -> tuple[int, str]:
+    """Where to look first: the step and request of :func:`first_violation` (for a
+    clause without a request, the first request live at that step); with no violation,
+    the last step and the first request."""
+    first = first_violation(report)
+    rids = list(dict.fromkeys(frames.requests["rid"]))
+    if first is None:
+        return int(frames.steps["step"].max()), rids[0]
+    step = int(first["step"])
+    if first.get("rid") is not None:
+        return step, first["rid"]
+    at_step = frames.requests[frames.requests["step"] == step]
+    live = at_step[_live_mask(at_step)]["rid"].tolist()
+    return step, (live or at_step["rid"].tolist() or rids)[0]
+
+
+def bug_card(clause: int) -> str:
+    """The July bugs of one clause from ``data/bugs.toml``: PRs, symptom, the flags that
+    expose it, affected releases and how contract_lib replays it."""
+    from contract_lib.patches import bug_catalog
+
+    cards = []
+    for bug in bug_catalog():
+        if bug["clause"] != clause:
+            continue
+        cards.append("\n".join([
+            f"{bug['id']} (clause {bug['clause']}, field {bug['field']}): "
+            f"{', '.join(bug['prs'])}",
+            *textwrap.wrap(f"symptom: {bug['symptom']}", 92, subsequent_indent="  "),
+            *textwrap.wrap(f"flags: {bug['flags']}", 92, subsequent_indent="  "),
+            *textwrap.wrap(f"affected: {bug['affected']}", 92, subsequent_indent="  "),
+            *textwrap.wrap(f"replay: {bug['replay']}", 92, subsequent_indent="  "),
+        ]))
+    return "\n\n".join(cards) or f"no catalogued bug for clause {clause}"
 
 
 _AROUND_COLUMNS = ["step", "rid", "emitted", "finished", "req_pool_idx", "kv_computed",
@@ -799,6 +888,7 @@ def step_figure(frames: Frames, step: int, rid: str) -> Figure:
                        va="center", fontsize=7)
         right.set_yticks([])
         right.set_xlabel("position p")
+        _int_ticks(right, "x")
         right.set_title(f"req_to_token[row {int(states['req_pool_idx'].iloc[0])}, p] at "
                         f"step {step} (slot ids)", fontsize=10)
         present = list(dict.fromkeys(states["state"]))
@@ -840,8 +930,9 @@ def step_explorer(frames: Frames, step: int | None = None, rid: str | None = Non
 
 
 __all__ = [
-    "CLAUSES", "counter_drift", "crash_summary", "first_violation", "frames_around",
+    "CLAUSES", "bug_card", "counter_drift", "crash_summary", "first_violation", "frames_around",
     "idle_predicate", "launch_kinds", "launch_timeline", "radix_reuse", "radix_reuse_table",
     "relay_events", "report_table", "run_label", "slot_grid", "slot_states", "stamps_table",
-    "step_explorer", "step_figure", "step_snapshot", "step_stamps",
+    "step_explorer", "step_figure", "step_snapshot", "step_stamps", "text_table",
+    "triage_focus",
 ]

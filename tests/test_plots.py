@@ -144,3 +144,24 @@ def test_step_explorer_builds_widgets(two_turn):
     slider, dropdown = view.children[0].children
     assert (slider.value, dropdown.value) == (7, "a")
     slider.value = 8  # re-renders without a frontend
+
+
+def test_figures_survive_a_run_that_recorded_nothing(two_turn):
+    """A run that died in setup has no frames; its panel says so instead of raising."""
+    dead = plots.Frames.from_rows({}, {
+        "workload": "two-turn", "loop": "mlx", "patch": "bad", "status": "crashed",
+        "steps": 0, "sglang_version": "0.5.23", "error": {
+            "type": "OSError", "message": "could not get source code", "phase": "setup",
+            "traceback": None}})
+    ok = two_turn["normal"]
+    for build in (plots.launch_timeline, plots.relay_events, plots.idle_predicate,
+                  plots.step_stamps):
+        fig = build(ok, dead)
+        fig.canvas.draw()
+        assert any("no frames recorded" in t.get_text() for ax in fig.axes for t in ax.texts)
+    plots.slot_grid(ok, dead, rid="a").canvas.draw()
+    plots.counter_drift(ok, dead, rid="a").canvas.draw()
+    table = plots.radix_reuse_table(ok, dead)
+    assert table["cached_tokens"].isna().tolist() == [False, True]
+    plots.radix_reuse(ok, dead).canvas.draw()
+    assert "OSError" in plots.crash_summary(dead)

@@ -1,0 +1,122 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Clause 2: counters advanced (`seq_lens`, `kv_committed_len`, `kv_allocated_len`)
+#
+# **The clause.** For every live request, each of the three counters equals
+# `kv_computed`, the number of positions whose KV the forward has computed or queued. The
+# torch overlap loop runs one step ahead, and both its counters and `kv_computed` include
+# that in-flight step, so that lead is the reference, not a violation.
+#
+# **Who writes them.** `prepare_for_decode` (`managers/schedule_batch.py`) advances
+# `seq_lens`. `alloc_for_decode_default` (`mem_cache/allocation.py`) does
+# `kv_allocated_len += 1; kv_committed_len += 1`. As with clause 1, a chained MLX launch
+# skips both.
+#
+# **Who reads them (SGLang 0.5.23).**
+# - `release_kv_cache` (`mem_cache/common.py:400`) checkpoints a finished request into
+#   the radix tree with `tree_cache.checkpoint(req, up_to=req.owned_kv_len())` (:431).
+#   `owned_kv_len()` (`managers/schedule_batch.py:1552`) is bounded by
+#   `kv_committed_len`.
+# - `check_decode_mem` (`managers/scheduler.py`) and retraction budget memory on them.
+#
+# **What goes wrong when they lag.** The finished request is inserted into the radix tree
+# only up to the lagging bound, so the next turn of the conversation computes again what
+# was already computed. This is silent cache loss. #40046 measured it on an M4: "a
+# 40-token continuation reused only 9 cached tokens instead of 39". The counters never
+# catch up: the next fresh `prepare_for_decode` adds one, however long the chain was.
+
+# %%
+# %matplotlib inline
+import contract_lib
+from contract_lib import plots
+from contract_lib.contract import check, violation_message
+
+print(plots.bug_card(2))
+
+# %% [markdown]
+# ## Four runs of `two-turn`
+#
+# The two torch loops, MLX as shipped, and MLX with the candidate fix
+# `fix-chained-accounting` (the approach of #33874 and #40046, not merged).
+
+# %%
+normal = contract_lib.run("two-turn", "normal")
+overlap = contract_lib.run("two-turn", "overlap")
+mlx = contract_lib.run("two-turn", "mlx")
+fixed = contract_lib.run("two-turn", "mlx", patch="fix-chained-accounting")
+for frames in (normal, overlap, mlx, fixed):
+    print(plots.crash_summary(frames))
+
+# %% [markdown]
+# ## Red: the counters stop on every chained step (still open on 0.5.23)
+#
+# As for clause 1, this is the shipped code, not a replay. On 0.5.23, `_launch_chained`
+# still lacks `prepare_for_decode`:
+
+# %%
+report = check(mlx)
+result = report.clauses[2]
+print(f"clause 2 on {plots.run_label(mlx)}: {result.status}, {len(result.violations)} "
+      "lagging counters")
+print(violation_message(result.first()))
+
+# %% [markdown]
+# The counters of request `a` over the run, against `kv_computed`. On the torch loop all
+# four lines coincide. On MLX the counters stay flat through every chained step and move
+# by one when the chain breaks. The shaded gap is KV that has been computed but not
+# committed.
+
+# %%
+plots.counter_drift(normal, mlx, fixed, rid="a")
+
+# %% [markdown]
+# ## The cost: radix reuse of the second turn
+#
+# When `a` finishes, `release_kv_cache` inserts its positions into the radix tree up to
+# `owned_kv_len()`, so at most `kv_committed_len` of them. The second turn `a2` starts
+# with `a`'s prompt and output. In the ideal case it reuses every position `a` computed:
+# prompt (16) + output (12) − 1 = **27**. The last output token is sampled but never fed
+# back, so its KV is never computed.
+
+# %%
+runs = (normal, overlap, mlx, fixed)
+print(plots.text_table(plots.radix_reuse_table(*runs, rid="a2")))
+
+# %%
+plots.radix_reuse(*runs, rid="a2")
+
+# %% [markdown]
+# On MLX, `a2` reuses 19 tokens where the torch loops reuse 27. The 8 chained positions
+# of `a` were computed but never committed, so `a2` computes them again. With the fix, MLX
+# reuses 28. The MLX chain had already computed the KV of `a`'s last token (the lookahead
+# step launched before the finish was seen), and the fix committed it. This is the
+# finish-during-chain over-commit raised in #33874's review. SGLang's own pool
+# conservation law (`InvariantChecker`) still balances at every step, so the slot leak
+# that review predicted does not show on 0.5.23:
+
+# %%
+for frames in (mlx, fixed):
+    result = check(frames).clauses[2]
+    pool = check(frames).pool
+    print(f"{plots.run_label(frames)}: clause 2 {result.status}; KV pool "
+          f"{'balanced at every step' if pool.empty else f'leaks at {len(pool)} steps'}")
+
+# %% [markdown]
+# **Where 0.5.23 stands:** open. #30147 (the 0.5.22 sync clamp) bounds the *reader* by
+# the committed count but does not advance it. #33874 was closed and #40046 is open.
+# `fix-chained-accounting` turns clauses 1 and 2 green on every shipped workload
+# ([00-overview](00-overview.ipynb) has the full table).
