@@ -47,6 +47,12 @@
 
 # %%
 # %matplotlib inline
+import warnings
+
+# Deprecation notices differ between library versions and nbval compares stderr.
+for category in (DeprecationWarning, FutureWarning):
+    warnings.simplefilter("ignore", category)
+
 import contract_lib
 from contract_lib import plots
 from contract_lib.contract import check, violation_message
@@ -94,10 +100,10 @@ plots.slot_grid(normal, mlx, fixed, rid="a")
 
 # %% [markdown]
 # Step 7 shows one detail of the bug. Request `c` arrived and broke the chain, so
-# `prepare_for_decode` ran once. It wrote **one** slot (41), at the position the
-# counters pointed to (17, the committed bound), not at the next position the forward
-# would compute. Positions 18-20 stay at slot 0 for the rest of the request's life. The
-# text view of that step:
+# `prepare_for_decode` ran once, for the fresh decode launched at step 6. It wrote
+# **one** slot (41), at the position the counters pointed to (17, the committed bound),
+# not at the next position the forward would compute. Positions 18-20 stay at slot 0
+# for the rest of the request's life. The text view of that step:
 
 # %%
 print(plots.step_snapshot(mlx, 7, "a", report=report))

@@ -46,6 +46,12 @@
 
 # %%
 # %matplotlib inline
+import warnings
+
+# Deprecation notices differ between library versions and nbval compares stderr.
+for category in (DeprecationWarning, FutureWarning):
+    warnings.simplefilter("ignore", category)
+
 import contract_lib
 from contract_lib import plots
 from contract_lib.contract import check, violation_message
