@@ -27,8 +27,12 @@ from typing import Any
 from contract_lib.frames import SCHEMA_VERSION, Frames
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+# The modules whose code determines a run's frames (not the checker or presentation).
+_RUN_MODULES = ("cache", "capture", "effects", "frames", "harness", "patches", "pool",
+                "shims", "versions", "workloads")
 LIBRARY_FILES = sorted(
-    [*Path(__file__).parent.glob("*.py"), PROJECT_ROOT / "data" / "model" / "config.json"])
+    [*(Path(__file__).parent / f"{name}.py" for name in _RUN_MODULES),
+     PROJECT_ROOT / "data" / "model" / "config.json"])
 
 
 def cache_dir() -> Path:

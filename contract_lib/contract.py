@@ -177,10 +177,14 @@ def _violations(clause: int, loop: str, rows: pd.DataFrame | list[dict[str, Any]
                              na_position="first").reset_index(drop=True)
 
 
-def _live(requests: pd.DataFrame) -> pd.DataFrame:
-    mask = (~requests["finished"].astype(bool) & requests["req_pool_idx"].notna()
+def live_mask(requests: pd.DataFrame) -> pd.Series:
+    """Live request rows: holding a ``req_to_token`` row, not finished, launched."""
+    return (~requests["finished"].astype(bool) & requests["req_pool_idx"].notna()
             & requests["kv_computed"].notna())
-    return requests[mask]
+
+
+def _live(requests: pd.DataFrame) -> pd.DataFrame:
+    return requests[live_mask(requests)]
 
 
 def _ints(series: pd.Series) -> pd.Series:
@@ -190,26 +194,44 @@ def _ints(series: pd.Series) -> pd.Series:
 # -- clause 1 ------------------------------------------------------------------------------
 
 
-def check_slots(frames: Frames) -> ClauseResult:
-    loop = frames.loop
+SLOT_STATES = ("recorded", "not computed", "slot 0", "free", "shared")
+
+
+def slot_states(frames: Frames) -> pd.DataFrame:
+    """Every ``slots`` entry of a live request, classified for clause 1.
+
+    Adds ``kv_computed``, ``cache_protected_len`` and ``state``: ``recorded``, ``not
+    computed`` (``position >= kv_computed``: allocated ahead, not checked), or one of the
+    violations ``slot 0`` (the padding slot), ``free`` (free in the allocator), ``shared``
+    (held by another live request other than by radix sharing: the same position inside
+    both rows' protected prefix).
+    """
     live = _live(frames.requests)[["step", "rid", "kv_computed", "cache_protected_len"]]
     slots = frames.slots.merge(live, on=["step", "rid"], how="inner")
-    slots = slots[slots["position"] < slots["kv_computed"]]
-    if slots.empty:
+    computed = slots["position"] < slots["kv_computed"]
+    inside = slots[computed]
+    by_slot = inside.assign(private=inside["position"] >= inside["cache_protected_len"]
+                            ).groupby(["step", "slot"])
+    shared = ((by_slot["rid"].transform("nunique") > 1)
+              & ((by_slot["position"].transform("nunique") > 1)
+                 | by_slot["private"].transform("any")))
+    state = pd.Series("not computed", index=slots.index)
+    state[computed] = "recorded"
+    state[shared[shared].index] = "shared"
+    state[computed & slots["slot_free"].astype(bool)] = "free"
+    state[computed & (slots["slot"] == 0)] = "slot 0"
+    return slots.assign(state=state)
+
+
+def check_slots(frames: Frames) -> ClauseResult:
+    loop = frames.loop
+    states = slot_states(frames)
+    checked = states[states["state"] != "not computed"]
+    if checked.empty:
         return ClauseResult(1, NOT_EXERCISED, "no live request had a launched position",
                             _violations(1, loop, []))
-    # Radix sharing puts one slot at the same position of several rows, inside each
-    # row's protected prefix. Any other slot held by two live requests is a violation.
-    by_slot = slots.assign(private=slots["position"] >= slots["cache_protected_len"]
-                           ).groupby(["step", "slot"])
-    holders = by_slot["rid"].transform("nunique")
-    positions = by_slot["position"].transform("nunique")
-    any_private = by_slot["private"].transform("any")
-    padding = slots["slot"] == 0
-    free = slots["slot_free"].astype(bool) & ~padding
-    shared = (holders > 1) & ((positions > 1) | any_private) & ~padding & ~free
-    bad = slots[padding | free | shared]
-    padding, free, shared = padding[bad.index], free[bad.index], shared[bad.index]
+    bad = checked[checked["state"].isin(["slot 0", "free", "shared"])]
+    padding, free, shared = (bad["state"] == kind for kind in ("slot 0", "free", "shared"))
     slot = "slot " + _ints(bad["slot"])
     others = pd.Series("", index=bad.index)
     if shared.any():
@@ -232,8 +254,8 @@ def check_slots(frames: Frames) -> ClauseResult:
         "expected": "an allocated slot of " + bad["rid"] + " at position "
                     + _ints(bad["position"]),
         "actual": actual, "explanation": explanation})
-    checked = f"{len(slots)} (step, request, position) entries checked"
-    return ClauseResult(1, VIOLATED if len(rows) else HOLDS, checked,
+    note = f"{len(checked)} (step, request, position) entries checked"
+    return ClauseResult(1, VIOLATED if len(rows) else HOLDS, note,
                         _violations(1, loop, rows))
 
 

@@ -52,7 +52,11 @@ def patch_source(owner: object, name: str, replacements: list[tuple[str, str]],
     """
     original = inspect.getattr_static(owner, name)
     function = inspect.unwrap(original)
-    source = textwrap.dedent(inspect.getsource(function))
+    try:
+        source = textwrap.dedent(inspect.getsource(function))
+    except OSError as exc:
+        raise PatchError(f"patch {label!r}: no source for {owner.__name__}.{name}: it was "
+                         "already patched in this run (each patch applies once)") from exc
     for old, new in replacements:
         source = _replace_once(source, old, new, label, function.__qualname__)
     if "super()" in source:
@@ -212,12 +216,13 @@ def patch_spec(patch: PatchArg) -> str | None:
                 "import it. Put it at the top level of a .py module and pass "
                 "'module:function'")
         return f"{module}:{qualname}"
-    for part in patch.split("+"):
+    parts = list(dict.fromkeys(p for p in patch.split("+") if p))  # each applies once
+    for part in parts:
         if part not in BUILTIN_PATCHES and ":" not in part:
             raise PatchError(
                 f"unknown patch {part!r}; built-in patches: {', '.join(BUILTIN_PATCHES)} "
                 "(or 'package.module:callable'; combine several with '+')")
-    return patch
+    return "+".join(parts) or None
 
 
 def resolve_patch(spec: str) -> Callable[[], None]:

@@ -38,7 +38,8 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from contract_lib.contract import CLAUSES, Report, check, violation_message
+from contract_lib.contract import CLAUSES, Report, check, live_mask, violation_message
+from contract_lib.contract import slot_states as classify_slots
 from contract_lib.frames import Frames
 
 # Okabe-Ito: distinguishable with the common colour-vision deficiencies.
@@ -103,12 +104,6 @@ def _request_rows(frames: Frames, rid: str) -> pd.DataFrame:
         raise ValueError(f"request {rid!r} is not in the {run_label(frames)} run "
                          f"(requests: {known})")
     return rows
-
-
-def _live_mask(requests: pd.DataFrame) -> pd.Series:
-    """The checker's notion of live: holds a row, not finished, launched at least once."""
-    return (~requests["finished"].astype(bool) & requests["req_pool_idx"].notna()
-            & requests["kv_computed"].notna())
 
 
 def _post_steps(steps: Sequence[int], values: Sequence[float]):
@@ -208,32 +203,10 @@ _BAD_STATES = ("slot 0", "free", "shared")
 
 
 def slot_states(frames: Frames) -> pd.DataFrame:
-    """Every ``slots`` entry of a live request, classified as clause 1 classifies it.
-
-    Columns: ``step, rid, req_pool_idx, position, slot, kv_computed, state`` where state
-    is ``recorded``, ``not computed`` (position >= kv_computed, not checked), or one of
-    the unrecorded kinds ``slot 0``, ``free``, ``shared``. The unrecorded entries are
-    exactly the clause-1 violations of :func:`contract_lib.contract.check`.
-    """
-    requests = frames.requests
-    live = requests[_live_mask(requests)][["step", "rid", "kv_computed",
-                                           "cache_protected_len"]]
-    slots = frames.slots.merge(live, on=["step", "rid"], how="inner")
-    computed = slots["position"] < slots["kv_computed"]
-    inside = slots[computed]
-    by_slot = inside.assign(private=inside["position"] >= inside["cache_protected_len"]
-                            ).groupby(["step", "slot"])
-    shared = ((by_slot["rid"].transform("nunique") > 1)
-              & ((by_slot["position"].transform("nunique") > 1)
-                 | by_slot["private"].transform("any"))
-              & (inside["slot"] != 0))
-    state = pd.Series("not computed", index=slots.index)
-    state[computed] = "recorded"
-    state[shared[shared].index] = "shared"
-    state[computed & slots["slot_free"].astype(bool) & (slots["slot"] != 0)] = "free"
-    state[computed & (slots["slot"] == 0)] = "slot 0"
-    out = slots.assign(state=state)[["step", "rid", "req_pool_idx", "position", "slot",
-                                     "kv_computed", "state"]]
+    """Every ``slots`` entry of a live request with its clause-1 state
+    (:func:`contract_lib.contract.slot_states`), ordered for plotting."""
+    out = classify_slots(frames)[["step", "rid", "req_pool_idx", "position", "slot",
+                                  "kv_computed", "state"]]
     return out.sort_values(["step", "rid", "position"]).reset_index(drop=True)
 
 
@@ -281,7 +254,7 @@ def slot_grid(*runs: Frames, rid: str, labels: Sequence[str] | None = None,
                             color="white" if bad else "#333333",
                             fontweight="bold" if bad else "normal")
         rows = _request_rows(frames, rid)
-        live = rows[_live_mask(rows) & rows["step"].isin(steps)]
+        live = rows[live_mask(rows) & rows["step"].isin(steps)]
         for column, style in (("kv_computed", dict(color="black", linewidth=2.0)),
                               ("kv_committed_len", dict(color=BLUE, linewidth=1.6,
                                                         linestyle="--"))):
@@ -332,7 +305,7 @@ def counter_drift(*runs: Frames, rid: str, labels: Sequence[str] | None = None) 
         if _no_frames(ax, frames, name, summary):
             continue
         rows = _request_rows(frames, rid)
-        live = rows[_live_mask(rows)]
+        live = rows[live_mask(rows)]
         for column, _, style in _COUNTER_STYLES:
             x, y = _post_steps(live["step"], live[column].astype(float))
             ax.step(x, y, where="post", **style)
@@ -713,7 +686,7 @@ def triage_focus(frames: Frames, report: Report) -> tuple[int, str]:
     if first.get("rid") is not None:
         return step, first["rid"]
     at_step = frames.requests[frames.requests["step"] == step]
-    live = at_step[_live_mask(at_step)]["rid"].tolist()
+    live = at_step[live_mask(at_step)]["rid"].tolist()
     return step, (live or at_step["rid"].tolist() or rids)[0]
 
 
@@ -862,7 +835,7 @@ def step_figure(frames: Frames, step: int, rid: str) -> Figure:
     fig = Figure(figsize=(11, 4.6), layout="constrained")
     left, right = fig.subplots(1, 2, width_ratios=(1, 1.3))
     rows = _request_rows(frames, rid)
-    live = rows[_live_mask(rows)]
+    live = rows[live_mask(rows)]
     for column, label, style in _COUNTER_STYLES:
         x, y = _post_steps(live["step"], live[column].astype(float))
         left.step(x, y, where="post", label=label, **style)

@@ -66,3 +66,7 @@ def test_bug_catalog_replays_name_real_patches_and_workloads():
             assert name in BUILTIN_PATCHES, bug["id"]
         for name in re.findall(r"workload ([\w-]+)", bug["replay"]):
             assert name in contract_lib.workload_names(), bug["id"]
+
+
+def test_a_patch_named_twice_applies_once():
+    assert patch_spec("skip-relay-publish+skip-relay-publish") == "skip-relay-publish"
