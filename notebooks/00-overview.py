@@ -127,6 +127,7 @@ print(measured.text())
 # 4. [04 — relays published or provably unread](04-relay.ipynb): the mixed-chunk relay read (#32591). Open on MLX.
 # 5. [05 — in-flight predicates](05-idle-predicate.ipynb): `is_fully_idle` on the MLX queue (#32934). Open (masked) on MLX.
 # 6. [06 — triage](06-triage.ipynb): a parameterised notebook for a new run (workload, loop, patch): the first violated clause and field, the frames around it, and a step explorer.
+# 7. [07 — effects audit](07-effects-audit.ipynb): what the MLX loop's steps do not write that the torch loops' do, found without being told; two fields no clause covers yet (`processed_tokens_counter`, `decode_batch_idx`).
 #
 # Read 01 and 02 together, since they share a root cause: chained decode skips
 # `prepare_for_decode`. 03 is the fixed clause and shows what a regression looks like.

@@ -165,3 +165,15 @@ def test_figures_survive_a_run_that_recorded_nothing(two_turn):
     assert table["cached_tokens"].isna().tolist() == [False, True]
     plots.radix_reuse(ok, dead).canvas.draw()
     assert "OSError" in plots.crash_summary(dead)
+
+
+def test_audit_figure_and_table():
+    from contract_lib.audit import audit
+
+    result = audit("two-turn", progress=False)
+    table = plots.audit_table(result)
+    assert "Scheduler.processed_tokens_counter" in set(table["field"])
+    fig = plots.audit_cadences(result)
+    ax = fig.axes[0]
+    assert ax.get_xlabel() == "loop" and len(ax.get_yticklabels()) == len(table)
+    assert any("Effects audit" in t.get_text() for t in fig.texts)
