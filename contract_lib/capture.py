@@ -358,7 +358,17 @@ class Recorder:
         """SGLang's own KV pool conservation terms (``InvariantChecker``), and its verdict."""
         checker = self.s.invariant_checker
         stats = checker.pool_stats_observer.get_pool_stats()
-        uncached, _ = checker._get_total_uncached_sizes()
+        if checker.get_last_batch() is None:
+            # <= 0.5.21 reads ``get_last_batch().reqs`` unguarded (SGLang calls it only
+            # once a batch ran); the step boundaries before the first batch have none.
+            saved = checker.get_last_batch
+            checker.get_last_batch = _EmptyBatch
+            try:
+                uncached, _ = checker._get_total_uncached_sizes()
+            finally:
+                checker.get_last_batch = saved
+        else:
+            uncached, _ = checker._get_total_uncached_sizes()
         leak, _message = checker._check_full_pool(stats, uncached=uncached)
         return {
             "kv_total": int(self.s.max_total_num_tokens),

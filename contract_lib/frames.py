@@ -20,6 +20,17 @@ Tables (pandas DataFrames; the column lists below are the schema):
 - ``effects`` (audit runs only): per step, every attribute written on the contract's
   objects, with the SGLang code location that wrote it and how often
   (:mod:`contract_lib.effects`).
+- ``kv_syncs`` (``runner="real"`` only): every position written into the MLX attention
+  KV pool: step, request, kind (``prefill``, ``extend``, ``release``, ``flush``,
+  ``remove``; ``dropped`` for positions a clamped release leaves out), position, slot,
+  and whose slot it was (``target``: ``own``, ``slot 0``, ``other live request`` with
+  its ``owner``, ``shared prefix``, ``free``, ``cached``) (:mod:`contract_lib.kvpool`).
+- ``kv_pool`` (``runner="real"`` only): at the end of the run, per request and
+  radix-matched position, its pool slot's KV against mlx-lm's own KV for that request's
+  tokens: ``verdict`` ``ok`` / ``zero`` / ``wrong`` and ``max_abs_diff``.
+
+Model-free runs leave ``kv_syncs`` and ``kv_pool`` empty (the model-free runner has no
+KV pool).
 
 ``WALL_CLOCK_COLUMNS`` are kept out of every comparison between runs.
 """
@@ -33,7 +44,7 @@ from typing import Any
 
 import pandas as pd
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 COLUMNS: dict[str, list[str]] = {
     "steps": [
@@ -59,6 +70,8 @@ COLUMNS: dict[str, list[str]] = {
     ],
     "outputs": ["rid", "index", "token"],
     "effects": ["step", "loop", "object", "field", "location", "count", "changed"],
+    "kv_syncs": ["step", "rid", "kind", "position", "slot", "target", "owner"],
+    "kv_pool": ["rid", "position", "slot", "verdict", "max_abs_diff"],
 }
 
 WALL_CLOCK_COLUMNS: dict[str, list[str]] = {
@@ -77,9 +90,10 @@ class FramesFormatError(ValueError):
 class Frames:
     """Everything one run recorded: its tables and what happened to it (``meta``).
 
-    ``meta`` holds ``workload``, ``loop``, ``patch``, ``sglang_version``, ``status`` (one
-    of ``STATUSES``), ``error`` (type, message, traceback, signal; None when finished),
-    ``shims`` (the shims applied) and ``server_args`` (the overrides used).
+    ``meta`` holds ``workload``, ``loop``, ``patch``, ``runner`` (``model-free`` or
+    ``real``), ``sglang_version``, ``status`` (one of ``STATUSES``), ``error`` (type,
+    message, traceback, signal; None when finished), ``shims`` (the shims applied) and
+    ``server_args`` (the overrides used); real-runner runs add ``kv_pool``.
     """
 
     tables: dict[str, pd.DataFrame]

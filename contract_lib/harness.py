@@ -3,6 +3,11 @@
 One run = one child process = one real ``Scheduler`` built by its own ``__init__`` and
 entered through ``run_event_loop()``. The child streams every frame row to the parent as
 it is taken, so a crash, a hang or a dying child loses nothing already captured.
+
+Each run chooses its SGLang release (``sglang=``: the venv's, or a supported release
+from its own install folder first on the child's ``PYTHONPATH``) and, on the MLX loop,
+its runner (``runner=``: the model-free next-token function, or SGLang's real
+``MlxModelRunner`` with a tiny random-weight mlx-lm model built locally).
 """
 
 from __future__ import annotations
@@ -22,11 +27,16 @@ from typing import Any
 from contract_lib import cache as frame_cache
 from contract_lib.frames import Frames
 from contract_lib.patches import PatchArg, patch_spec
-from contract_lib.pool import POOL
-from contract_lib.versions import require_supported_sglang
+from contract_lib.pool import POOL, child_env
+from contract_lib.versions import require_supported_sglang, sglang_path
 from contract_lib.workloads import Workload, load_workload
 
 LOOPS = ("normal", "overlap", "mlx")
+# ``model-free``: every loop's forward is a deterministic next-token function
+# (:mod:`contract_lib.shims`). ``real`` (MLX loop only): SGLang's own ``MlxModelRunner``
+# runs the tiny mlx-lm model of :mod:`contract_lib.tiny_model` on MLX's CPU backend, so
+# its KV pool syncs and radix reads are real (tables ``kv_syncs`` and ``kv_pool``).
+RUNNERS = ("model-free", "real")
 MODEL_DIR = Path(__file__).resolve().parent.parent / "data" / "model"
 
 # The server args every run starts from (a CPU, model-free, deterministic scheduler);
@@ -67,6 +77,8 @@ def run(
     warm: bool = True,
     capture: bool = True,
     audit: bool = False,
+    runner: str = "model-free",
+    sglang: str | None = None,
 ) -> Frames:
     """Drive ``workload`` through ``loop`` and return its frames, whatever happened.
 
@@ -83,9 +95,22 @@ def run(
     capture overhead); such runs are never cached. ``audit=True`` also records every
     write to the contract's objects into the ``effects`` table (slow; see
     :mod:`contract_lib.audit`).
+
+    ``runner``: ``"model-free"`` (default) or ``"real"`` (MLX loop only; see
+    :data:`RUNNERS`). ``sglang``: a supported release (``"0.5.21"``, ``"0.5.22"``,
+    ``"0.5.23"``), installed into its own folder on first use; None is the venv's.
+    Both are part of the run spec, hence of the cache key.
     """
     if loop not in LOOPS:
         raise RunSetupError(f"unknown loop {loop!r}; valid loops: {', '.join(LOOPS)}")
+    if runner not in RUNNERS:
+        raise RunSetupError(f"unknown runner {runner!r}; valid runners: {', '.join(RUNNERS)}")
+    if runner == "real" and loop != "mlx":
+        raise RunSetupError(
+            f"runner 'real' is SGLang's MlxModelRunner, which only the mlx loop uses; the "
+            f"torch loops stay model-free (compare a real run with "
+            "contract_lib.tiny_model.reference_outputs or with the MLX fixed path)")
+    version = require_supported_sglang(sglang)
     if not isinstance(workload, Workload):
         workload = load_workload(workload)
     patches = [p for p in (patch_spec(patch), os.environ.get(EXTRA_PATCH_ENV)) if p]
@@ -96,21 +121,30 @@ def run(
         "server_args": dict(server_args or {}),
         "capture": capture,
         "audit": audit,
+        "runner": runner,
+        "sglang": version,
     }
     meta = {
         "workload": workload.name,
         "loop": loop,
         "patch": spec["patch"],
         "server_args": {**workload.server_args, **spec["server_args"]},
-        "sglang_version": require_supported_sglang(),
+        "sglang_version": version,
+        "runner": runner,
     }
+    sglang_dir = sglang_path(version)  # installs the release on first use
     use_cache = cache and capture and frame_cache.enabled()
     if use_cache:
-        run_key = frame_cache.key(spec)
+        run_key = frame_cache.key(spec, sglang_dir)
         hit = frame_cache.load(run_key)
         if hit is not None:
             return hit
-    frames = _execute(spec, meta, hang_timeout, warm)
+    child_spec = {**spec, "sglang_dir": None if sglang_dir is None else str(sglang_dir)}
+    if runner == "real":
+        from contract_lib.tiny_model import tiny_model_dir
+
+        child_spec["model_dir"] = str(tiny_model_dir())
+    frames = _execute(child_spec, meta, hang_timeout, warm, sglang_dir)
     if use_cache:
         frame_cache.store(run_key, frames)
     return frames
@@ -137,15 +171,16 @@ def run_many(jobs: list[dict[str, Any]], *, workers: int | None = None,
 
 
 def _execute(spec: dict[str, Any], meta: dict[str, Any], hang_timeout: float,
-             warm: bool) -> Frames:
-    """Start the child (forked from a warm server, or a cold interpreter) and collect."""
+             warm: bool, sglang_dir: Path | None = None) -> Frames:
+    """Start the child (forked from a warm server of the run's SGLang release, or a cold
+    interpreter with the same ``PYTHONPATH``) and collect."""
     log_fd, log_path = tempfile.mkstemp(prefix="contract_lib-", suffix=".log")
     read_fd, write_fd = os.pipe()
-    server = POOL.acquire() if warm else None
+    server = POOL.acquire(sglang_dir) if warm else None
     if server is not None:
         child = server.start_run(spec, write_fd, log_fd)
     else:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        env = child_env(sglang_dir)
         child = subprocess.Popen(
             [sys.executable, "-c",
              "from contract_lib.harness import _child_entry; _child_entry()", str(write_fd)],
@@ -263,13 +298,13 @@ def _child_entry() -> None:
 def child_run(spec: dict[str, Any], conn: Connection) -> None:
     """One run inside its own process (cold or forked): build, loop, report the end."""
     emit = conn.send
-    recorder = None
+    recorder = kv_recorder = None
     phase = "setup"
     status, error = "finished", None
     timing: dict[str, float] = {}
     started = time.perf_counter()
     try:
-        scheduler, recorder = _build(spec, emit, timing)
+        scheduler, recorder, kv_recorder = _build(spec, emit, timing)
         phase = "loop"
         loop_started = time.perf_counter()
         try:
@@ -288,6 +323,12 @@ def child_run(spec: dict[str, Any], conn: Connection) -> None:
             status, error = "crashed", _error(str(exc), exc, phase)
     if recorder is not None:
         recorder.finish()
+    if kv_recorder is not None:
+        try:
+            kv_recorder.finish()
+        except Exception as exc:  # noqa: BLE001 - the inspection failing is a crash
+            if status == "finished":
+                status, error = "crashed", _error(str(exc), exc, "kv-pool-inspection")
     timing["total_s"] = time.perf_counter() - started
     emit(("meta", {"timing": timing}))
     emit(("end", status, error))
@@ -305,19 +346,23 @@ def _error(message: str, exc: BaseException | None = None, phase: str = "loop") 
 
 
 def _build(spec: dict[str, Any], emit, timing: dict[str, float]):
-    """Shims, patch, a real Scheduler and the capture hooks (wall times into ``timing``)."""
+    """Shims, patch, a real Scheduler and the capture hooks (wall times into ``timing``).
+    Returns the scheduler, the frame recorder and the KV pool recorder (real runner)."""
     started = time.perf_counter()
     loop = spec["loop"]
+    runner = spec.get("runner", "model-free")
     if loop == "mlx":
         os.environ["SGLANG_USE_MLX"] = "1"
     from contract_lib import shims
 
     applied = shims.install_import_shims()
+    _check_sglang_release(spec)
     from sglang.srt import runtime_context
     from sglang.srt.managers import scheduler as _scheduler_module  # noqa: F401
     from sglang.srt.server_args import PortArgs, ServerArgs
 
     timing["import_s"] = time.perf_counter() - started
+    applied += shims.install_release_compat()
 
     from contract_lib.capture import Recorder
     from contract_lib.patches import apply_patch
@@ -329,12 +374,16 @@ def _build(spec: dict[str, Any], emit, timing: dict[str, float]):
     if loop == "mlx":
         if shims.install_mlx_runtime_gate_shim():
             applied.append("mlx-runtime-gate")
-        shims.install_mlx_model_free_runner()
-        applied.append("mlx-model-free-runner")
+        if runner == "real":
+            applied += shims.install_mlx_real_runner()
+        else:
+            shims.install_mlx_model_free_runner()
+            applied.append("mlx-model-free-runner")
     apply_patch(spec["patch"])
 
     workload = Workload.from_dict(spec["workload"])
-    args = {**BASE_SERVER_ARGS, "model_path": str(MODEL_DIR),
+    model_dir = spec["model_dir"] if runner == "real" else str(MODEL_DIR)
+    args = {**BASE_SERVER_ARGS, "model_path": model_dir,
             "disable_overlap_schedule": loop == "normal",
             **workload.server_args, **spec["server_args"]}
     server_args = ServerArgs(**args)
@@ -354,4 +403,27 @@ def _build(spec: dict[str, Any], emit, timing: dict[str, float]):
                         audit=spec.get("audit", False))
     holder["recorder"] = recorder
     recorder.install()
-    return scheduler, recorder
+    kv_recorder = None
+    if runner == "real" and spec.get("capture", True):
+        from contract_lib.kvpool import KvPoolRecorder
+
+        kv_recorder = KvPoolRecorder(scheduler, recorder, emit, model_dir)
+        kv_recorder.install()
+    return scheduler, recorder, kv_recorder
+
+
+def _check_sglang_release(spec: dict[str, Any]) -> None:
+    """The child imports the SGLang release the run asked for (its folder first on
+    ``PYTHONPATH``), not the venv's: checked before anything is built."""
+    from importlib import metadata
+
+    import sglang
+
+    expected, folder = spec.get("sglang"), spec.get("sglang_dir")
+    actual = metadata.version("sglang")
+    location = Path(sglang.__file__).resolve()
+    if (expected is not None and actual != expected) or (
+            folder is not None and Path(folder).resolve() not in location.parents):
+        raise RuntimeError(
+            f"the run asked for sglang {expected} from {folder or 'the venv'}, but the "
+            f"child imported sglang {actual} from {location.parent}")

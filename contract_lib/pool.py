@@ -54,12 +54,22 @@ def _recv(sock: socket.socket, with_fds: int = 0):
     return pickle.loads(payload), fds
 
 
-class ForkServer:
-    """A server process with SGLang imported; :meth:`start_run` forks one child per run."""
+def child_env(sglang_dir=None) -> dict[str, str]:
+    """The environment of a run's process (cold child or fork server): this process's
+    ``sys.path`` as ``PYTHONPATH``, with the SGLang release folder first when given."""
+    paths = [str(sglang_dir)] if sglang_dir is not None else []
+    paths += [p for p in sys.path if p and p != str(sglang_dir)]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
-    def __init__(self) -> None:
+
+class ForkServer:
+    """A server process with SGLang imported; :meth:`start_run` forks one child per run.
+    ``sglang_dir``: the release folder first on its ``PYTHONPATH`` (None: the venv's)."""
+
+    def __init__(self, sglang_dir=None) -> None:
+        self.sglang_dir = sglang_dir
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        env = child_env(sglang_dir)
         self.process = subprocess.Popen(
             [sys.executable, "-c", "from contract_lib.pool import serve; serve()",
              str(child_end.fileno())],
@@ -122,33 +132,40 @@ class WarmChild:
 
 
 class Pool:
-    """Idle fork servers, started on demand and reused; closed at interpreter exit."""
+    """Idle fork servers per SGLang release folder, started on demand and reused; closed
+    at interpreter exit."""
 
     def __init__(self) -> None:
-        self.idle: list[ForkServer] = []
+        self.idle: dict[str | None, list[ForkServer]] = {}
         self.lock = threading.Lock()
         atexit.register(self.close)
 
-    def acquire(self) -> ForkServer:
+    @staticmethod
+    def _key(sglang_dir) -> str | None:
+        return None if sglang_dir is None else str(sglang_dir)
+
+    def acquire(self, sglang_dir=None) -> ForkServer:
         with self.lock:
-            while self.idle:
-                server = self.idle.pop()
+            idle = self.idle.setdefault(self._key(sglang_dir), [])
+            while idle:
+                server = idle.pop()
                 if server.alive():
                     return server
                 server.close()
-        return ForkServer()
+        return ForkServer(sglang_dir)
 
     def release(self, server: ForkServer) -> None:
         with self.lock:
             if server.alive():
-                self.idle.append(server)
+                self.idle.setdefault(self._key(server.sglang_dir), []).append(server)
 
     def discard(self, server: ForkServer) -> None:
         server.close()
 
     def close(self) -> None:
         with self.lock:
-            servers, self.idle = self.idle, []
+            servers = [server for idle in self.idle.values() for server in idle]
+            self.idle = {}
         for server in servers:
             server.close()
 
@@ -174,6 +191,7 @@ def preload() -> None:
     import sglang.srt.hardware_backend.mlx.tp_worker  # noqa: F401
     import sglang.srt.managers.scheduler  # noqa: F401
     import sglang.srt.server_args  # noqa: F401
+    import mlx_lm.models.llama  # noqa: F401  (the tiny model of the real MLX runner)
 
 
 def serve() -> None:

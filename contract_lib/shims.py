@@ -1,7 +1,8 @@
 """Every replacement this project makes to SGLang, in one place, each with its reason.
 
 Principle: fake the model, never the scheduling logic under test. What is replaced here is
-exactly three things, and nothing else in the package replaces SGLang behaviour:
+exactly three things (plus the release-compatibility backports of section 5, each an
+upstream bug of that release), and nothing else in the package replaces SGLang behaviour:
 
 1. **Platform gates** (import-time and runtime) that stop SGLang's MLX backend, or SGLang
    itself, from loading on a Linux CPU machine. None of them is applied where SGLang's own
@@ -10,7 +11,10 @@ exactly three things, and nothing else in the package replaces SGLang behaviour:
    and the MLX runner (``MlxModelRunner``) become a deterministic next-token function.
    The MLX replacement returns SGLang's real ``MlxPendingPrefill/Extend/Decode`` holding
    *lazy* ``mlx.core`` arrays, so ``mx.async_eval``, chaining on still-lazy tokens and the
-   blocking ``.tolist()`` are real.
+   blocking ``.tolist()`` are real. With ``runner="real"`` the MLX loop keeps SGLang's
+   own ``MlxModelRunner`` (a tiny random-weight mlx-lm model, its patched attention and
+   its ``MlxAttentionKVPool``) on MLX's CPU backend; only two Metal-only opt-in flags are
+   forced off (:func:`install_mlx_real_runner`).
 3. **Request ingress**: the zmq receiver becomes a scripted one that hands SGLang real
    ``TokenizedGenerateReqInput`` objects at chosen loop iterations.
 
@@ -20,6 +24,7 @@ The capture hooks in :mod:`contract_lib.capture` only observe (they call through
 from __future__ import annotations
 
 import importlib.util
+import os
 import platform
 import sys
 import types
@@ -421,6 +426,32 @@ class ModelFreeMlxRunner:
         return tokens
 
 
+def install_mlx_real_runner() -> list[str]:
+    """MLX loop, ``runner="real"``: keep SGLang's real ``MlxModelRunner`` (mlx-lm model,
+    ``patch_model_attention``, ``MlxAttentionKVPool``) on MLX's CPU backend. Returns the
+    shims applied (empty where the real gate passes, on Apple Silicon with Metal).
+
+    Why only this: on MLX's CPU backend the runner's default paths need no replacement
+    (``mx.fast.rope`` and ``mx.fast.scaled_dot_product_attention`` have CPU kernels;
+    ``mx.device_info()`` has no ``max_recommended_working_set_size`` there, so the wired
+    limit is skipped). Two opt-in environment flags select Metal-only code and are
+    forced off, so a user's environment cannot turn them on in a CPU run:
+
+    - ``SGLANG_MLX_USE_CUSTOM_ROPE``: the AOT Metal RoPE + pool-scatter kernel from
+      ``sgl_kernel.metal`` (``hardware_backend/mlx/aot.py``), which has no CPU build;
+    - ``SGLANG_MLX_FUSE_SWIGLU``: patches SwiGLU blocks with an ``mx.fast.metal_kernel``
+      (``moe/fused_swiglu.py``), which raises "No Metal back-end" on CPU.
+
+    The runner's pool is sized from ``max_total_tokens`` (``BASE_SERVER_ARGS``), as the
+    CPU backend reports no memory to auto-size it from.
+    """
+    if on_apple_silicon_with_mlx():
+        return []
+    for flag in ("SGLANG_MLX_USE_CUSTOM_ROPE", "SGLANG_MLX_FUSE_SWIGLU"):
+        os.environ[flag] = "0"
+    return ["mlx-metal-only-flags-off"]
+
+
 def install_mlx_model_free_runner() -> None:
     """MLX loop: ``MlxTpModelWorker`` builds :class:`ModelFreeMlxRunner` as its runner.
 
@@ -455,3 +486,66 @@ class ScriptedReceiver:
         out = list(local_reqs or []) + self.pending
         self.pending = []
         return out
+
+
+# --------------------------------------------------------------------------------------
+# 5. Release compatibility (SGLang 0.5.21).
+# --------------------------------------------------------------------------------------
+#
+# Applied by feature, not by version string: each backport is installed only where the
+# running release lacks what it adds, and the names applied are recorded in the run's
+# ``shims``. 0.5.22 and 0.5.23 need none.
+
+
+def install_release_compat() -> list[str]:
+    """Backports the running SGLang release needs to start a run; returns their names."""
+    applied = []
+    if _backport_stub_logical_max_total_num_tokens():
+        applied.append("backport-stub-logical-max-total-num-tokens")
+    from sglang.srt.hardware_backend.mlx import model_runner
+
+    if hasattr(model_runner.MlxModelRunner, "flush_all_decode_kv"):
+        install_model_free_flush()  # the worker of this release calls it (0.5.21)
+        applied.append("model-free-flush-all-decode-kv")
+    return applied
+
+
+def _backport_stub_logical_max_total_num_tokens() -> bool:
+    """0.5.21: ``MlxModelRunnerStub.logical_max_total_num_tokens`` (backport of 0.5.22).
+
+    Why: an upstream startup bug of 0.5.21's MLX stub runner. The stub does not
+    override the property, so ``ModelRunner.logical_max_total_num_tokens`` reads
+    ``self.kv_cache_configurator``, which only ``ModelRunner.__init__`` sets and the stub
+    never runs: ``AttributeError`` in ``TpModelWorker.alloc_memory_pool`` when the
+    Scheduler is built, on the MLX backend (``MlxTpModelWorker``) and on the torch loops
+    (which use the same stub here). 0.5.22 added the override below: MLX pool slots
+    already count logical tokens. Returns False where the release has it.
+    """
+    from sglang.srt.hardware_backend.mlx.model_runner_stub import MlxModelRunnerStub
+
+    if "logical_max_total_num_tokens" in MlxModelRunnerStub.__dict__:
+        return False
+
+    def logical_max_total_num_tokens(self) -> int:
+        return self.req_to_token_pool.schedulable_token_capacity(self.max_total_num_tokens)
+
+    MlxModelRunnerStub.logical_max_total_num_tokens = property(logical_max_total_num_tokens)
+    return True
+
+
+def _model_free_flush_all_decode_kv(self) -> None:
+    """The model-free runner's ``flush_all_decode_kv``: there is no KV pool to write, so
+    only the runner's synced offsets advance (to the cache offset, as 0.5.21's unclamped
+    flush does)."""
+    for rid in self._req_caches:
+        self._req_synced_offset[rid] = self.cache_offset(rid)
+
+
+def install_model_free_flush() -> None:
+    """Give :class:`ModelFreeMlxRunner` the runner method ``flush_all_decode_kv``.
+
+    Why: through 0.5.21 ``MlxTpModelWorker`` calls ``_mlx_runner.flush_all_decode_kv()``
+    before every extend launch (0.5.22 replaced it with ``release_request_row``); the
+    ``unclamped-sync`` patch restores that call on later releases.
+    """
+    ModelFreeMlxRunner.flush_all_decode_kv = _model_free_flush_all_decode_kv

@@ -1,16 +1,43 @@
-"""Which SGLang releases the harness knows how to drive, checked before anything runs."""
+"""Which SGLang releases the harness knows how to drive, checked before anything runs.
+
+The venv holds one SGLang (the set-up release, 0.5.23). The other supported releases run
+from their own install folder, ``.cache/sglang/<version>`` in the project checkout (or
+``$CONTRACT_LIB_SGLANG_DIR/<version>``), installed on first use with
+``pip install --no-deps --no-compile --target`` and put first on the run's
+``PYTHONPATH``: the run's child process (and its warm fork server) imports that release,
+everything else (torch, mlx, transformers) from the venv. The venv is never modified.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
 from importlib import metadata
+from pathlib import Path
 
 # Field names, call sites and the MLX worker API the capture hooks and shims rely on were
-# read from these releases' code (see docs/contract.md for the anchors).
-SUPPORTED_SGLANG_VERSIONS = ("0.5.23",)
+# read from these releases' code (see docs/contract.md for the anchors). 0.5.21 needs two
+# compatibility shims (``shims.install_release_compat``); 0.5.22 and 0.5.23 need none.
+SUPPORTED_SGLANG_VERSIONS = ("0.5.21", "0.5.22", "0.5.23")
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+RELEASES_DIR_ENV = "CONTRACT_LIB_SGLANG_DIR"
+PIP_TIMEOUT_S = 900
+
+_INSTALL_LOCK = threading.Lock()
 
 
 class UnsupportedSGLangError(RuntimeError):
     """The installed SGLang is missing or is a release the harness was not built for."""
+
+
+class SGLangInstallError(RuntimeError):
+    """A supported release could not be installed into its folder (pip failed)."""
 
 
 def installed_sglang_version() -> str | None:
@@ -20,12 +47,120 @@ def installed_sglang_version() -> str | None:
         return None
 
 
-def require_supported_sglang() -> str:
-    """The installed SGLang version, or an error naming installed and supported versions."""
-    version = installed_sglang_version()
+def _supported_text() -> str:
+    return ", ".join(reversed(SUPPORTED_SGLANG_VERSIONS))
+
+
+def require_supported_sglang(version: str | None = None) -> str:
+    """The SGLang version a run will use, or an error naming what is supported.
+
+    ``version=None``: the venv's installed SGLang, which must be a supported release.
+    Otherwise ``version`` itself must be one (it runs from the venv if that is the
+    venv's release, else from its own install folder, see :func:`sglang_path`).
+    """
+    if version is None:
+        installed = installed_sglang_version()
+        if installed not in SUPPORTED_SGLANG_VERSIONS:
+            raise UnsupportedSGLangError(
+                f"installed sglang: {installed or 'none'}; contract_lib supports sglang "
+                f"{_supported_text()}. Install a supported release (see README: the "
+                "set-up command creates the environment), or choose one per run with "
+                "sglang=VERSION / --sglang VERSION")
+        return installed
+    version = str(version)
     if version not in SUPPORTED_SGLANG_VERSIONS:
         raise UnsupportedSGLangError(
-            f"installed sglang: {version or 'none'}; contract_lib supports sglang "
-            f"{', '.join(SUPPORTED_SGLANG_VERSIONS)}. Install a supported release "
-            "(see README: the set-up command creates the environment)")
+            f"requested sglang: {version}; contract_lib supports sglang "
+            f"{_supported_text()} (the venv holds "
+            f"{installed_sglang_version() or 'none'}; the others install into their own "
+            "folder on first use)")
     return version
+
+
+def releases_dir() -> Path:
+    return Path(os.environ.get(RELEASES_DIR_ENV, PROJECT_ROOT / ".cache" / "sglang"))
+
+
+def release_folder(version: str) -> Path:
+    """Where ``version`` is (or will be) installed; the folder to prepend to PYTHONPATH."""
+    return releases_dir() / version
+
+
+def _complete(folder: Path, version: str) -> bool:
+    return ((folder / "sglang" / "__init__.py").is_file()
+            and (folder / f"sglang-{version}.dist-info").is_dir())
+
+
+def sglang_path(version: str | None) -> Path | None:
+    """The folder to put first on a run's ``PYTHONPATH`` for SGLang ``version``, or
+    None when the venv's own SGLang is that release (or ``version`` is None).
+
+    Installs the release on first use (see :func:`install_release`).
+    """
+    version = require_supported_sglang(version)
+    if version == installed_sglang_version():
+        return None
+    folder = release_folder(version)
+    if _complete(folder, version):
+        return folder
+    return install_release(version)
+
+
+def install_release(version: str) -> Path:
+    """``pip install --no-deps --no-compile --target <folder> sglang==<version>``.
+
+    Atomic: pip writes into a temporary sibling folder which is renamed into place when
+    complete, so an interrupted install never leaves a half folder behind. Serialised
+    across threads and processes by a lock file. Raises :class:`SGLangInstallError` with
+    pip's output when pip fails (most often: no network access to PyPI).
+    """
+    version = require_supported_sglang(version)
+    folder = release_folder(version)
+    parent = folder.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    with _INSTALL_LOCK, open(parent / ".install.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _complete(folder, version):
+            return folder
+        tmp = parent / f".{version}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        command = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile",
+                   "--disable-pip-version-check", "--quiet", "--target", str(tmp),
+                   f"sglang=={version}"]
+        started = time.perf_counter()
+        print(f"contract_lib: installing sglang {version} into {folder} (first use; "
+              "~30 MB download) ...", file=sys.stderr, flush=True)
+        try:
+            done = subprocess.run(command, capture_output=True, text=True,
+                                  timeout=PIP_TIMEOUT_S)
+        except subprocess.TimeoutExpired as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise SGLangInstallError(
+                f"installing sglang {version} timed out after {PIP_TIMEOUT_S} s "
+                f"({' '.join(command)}); is PyPI reachable?") from exc
+        if done.returncode != 0 or not _complete(tmp, version):
+            shutil.rmtree(tmp, ignore_errors=True)
+            output = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
+            raise SGLangInstallError(
+                f"could not install sglang {version} into {folder}: pip exited with "
+                f"{done.returncode}. It needs network access to PyPI (or a local index "
+                f"holding the sglang {version} wheel). Command: {' '.join(command)}\n"
+                f"{output}")
+        if folder.exists():  # an incomplete folder left by hand
+            shutil.rmtree(folder)
+        os.rename(tmp, folder)
+        print(f"contract_lib: sglang {version} installed in "
+              f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+        return folder
+
+
+def sglang_package_dir(folder: Path | None) -> Path | None:
+    """The ``sglang`` package directory a run imports: ``folder/sglang``, or the venv's."""
+    if folder is not None:
+        return folder / "sglang"
+    import importlib.util
+
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])

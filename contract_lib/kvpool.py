@@ -1,0 +1,252 @@
+"""The MLX attention KV pool of a real-runner run: every write into it, and what it holds.
+
+With ``runner="real"`` the MLX loop runs SGLang's own ``MlxModelRunner``, whose
+per-request contiguous KV caches are copied into the shared ``MlxAttentionKVPool`` at
+the slot ids the scheduler wrote into ``req_to_token``; a later request with a radix hit
+reads its prefix from those slots. Clause 1 is about exactly these slot ids. This module
+observes (it calls through) and records two tables:
+
+- ``kv_syncs``: every position written into the pool, when (``step``), for which request
+  (``rid``), by which path (``kind``), into which slot, and whose slot that was
+  (``target``, ``owner``). Kinds, by the runner method that wrote:
+
+  - ``prefill`` / ``extend``: a prefill or chunked-prefill launch writes its new positions
+    to the slots the scheduler allocated (``prefill_start`` / ``extend_start``);
+  - ``release``: the decode-KV sync when a request is released
+    (``release_request_row``, 0.5.22+: clamped to ``owned_kv_len()``);
+  - ``flush``: the extend-time flush of every active request's decode KV
+    (``flush_all_decode_kv``, through 0.5.21: unclamped);
+  - ``remove``: the sync in ``remove_request`` (through 0.5.21: unclamped);
+  - ``dropped``: not a write. The positions a clamped release leaves out
+    (``owned_kv_len() <= p < cache offset``), with the slot an unclamped sync would have
+    written (usually 0: chained decode never recorded it). Their KV never reaches the pool.
+
+  Targets: ``own`` (the writer's own slot at that position), ``slot 0`` (the padding
+  slot), ``other live request`` (a slot another live request holds, named in
+  ``owner``), ``shared prefix`` (another live request holds it at the same position
+  inside its radix-protected prefix: same tokens, same KV), ``free`` (the allocator's),
+  ``cached`` (held by no live request: the radix tree's).
+
+- ``kv_pool``: at the end of the run, for every request, the pool slots the radix tree
+  matches for its token sequence (prompt + output), each compared with the K and V that
+  mlx-lm's own model computes for that sequence (:func:`contract_lib.tiny_model.reference_kv`),
+  over every layer: ``ok`` (``allclose``, atol 1e-5), ``zero`` (the slot was never
+  written) or ``wrong`` (other KV: the slot was overwritten, or its KV was computed from
+  a damaged prefix). ``max_abs_diff`` is the largest difference over layers, K and V.
+
+``meta["kv_pool"]`` adds ``slot0_nonzero`` (whether padding slot 0 holds anything at the
+end) and ``model`` (the tiny model's weights digest).
+"""
+
+from __future__ import annotations
+
+import array
+import sys
+from typing import Any
+
+import numpy as np
+
+KIND_BY_CALLER = {
+    "prefill_start": "prefill",
+    "extend_start": "extend",
+    "release_request_row": "release",
+    "flush_all_decode_kv": "flush",
+    "remove_request": "remove",
+}
+TARGETS = ("own", "slot 0", "other live request", "shared prefix", "free", "cached")
+VERDICTS = ("ok", "zero", "wrong")
+ATOL = 1e-5
+
+
+class KvPoolRecorder:
+    """Records ``kv_syncs`` while the run goes and ``kv_pool`` at its end.
+
+    ``recorder`` is the run's :class:`contract_lib.capture.Recorder`: its ``step`` is the
+    step a write happens in, its ``reqs`` the requests SGLang knows.
+    """
+
+    def __init__(self, scheduler, recorder, emit, model_dir: str) -> None:
+        self.s = scheduler
+        self.recorder = recorder
+        self.emit = emit
+        self.model_dir = model_dir
+        self.runner = None
+        self._context: list[tuple[str, str]] = []
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def install(self) -> None:
+        runner = self.s.tp_worker._mlx_runner
+        self.runner = runner
+        real_new = runner._sync_new_kv_to_pool
+        real_decode = runner._sync_decode_kv_to_pool
+        context = self._context
+
+        def _sync_decode_kv_to_pool(req_id, *args, **kwargs):
+            caller = sys._getframe(1).f_code.co_name
+            kind = KIND_BY_CALLER.get(caller, caller)
+            end = args[0] if args else kwargs.get("end")
+            context.append((req_id, kind))
+            try:
+                out = real_decode(req_id, *args, **kwargs)
+            finally:
+                context.pop()
+            if end is not None:
+                self._record_dropped(req_id, end)
+            return out
+
+        def _sync_new_kv_to_pool(cache, cache_start, slot_ids):
+            if context:
+                rid, kind = context[-1]
+            else:
+                frame = sys._getframe(1)
+                kind = KIND_BY_CALLER.get(frame.f_code.co_name, frame.f_code.co_name)
+                rid = frame.f_locals.get("req_id")
+            if slot_ids and runner._attention_kv_pool is not None:
+                self._record(rid, kind, int(cache_start), [int(s) for s in slot_ids])
+            return real_new(cache, cache_start, slot_ids)
+
+        runner._sync_decode_kv_to_pool = _sync_decode_kv_to_pool
+        runner._sync_new_kv_to_pool = _sync_new_kv_to_pool
+
+    def _record_dropped(self, rid: str, end: int) -> None:
+        runner = self.runner
+        cache = runner._req_caches.get(rid)
+        row = runner._req_pool_idx.get(rid)
+        if cache is None or row is None or runner._attention_kv_pool is None:
+            return
+        offset = runner._first_attention_cache(cache).offset
+        start = max(int(end), runner._req_synced_offset.get(rid, 0))
+        if offset <= start:
+            return
+        rtt = self.s.req_to_token_pool.req_to_token
+        slots = [int(s) for s in rtt[row, start:offset].tolist()]
+        self._record(rid, "dropped", start, slots)
+
+    def _live_holders(self, rid: str) -> dict[int, tuple[str, int, int]]:
+        """slot -> (request, position, cache_protected_len) over the other live requests."""
+        rtt = self.s.req_to_token_pool.req_to_token
+        holders: dict[int, tuple[str, int, int]] = {}
+        for other, req in self.recorder.reqs.items():
+            kv = req.kv
+            if other == rid or kv.req_pool_idx is None or req.finished():
+                continue
+            entries = rtt[kv.req_pool_idx, :kv.kv_allocated_len].tolist()
+            for position, slot in enumerate(entries):
+                if slot:
+                    holders.setdefault(int(slot), (other, position, kv.cache_protected_len))
+        return holders
+
+    def _free_mask(self) -> np.ndarray:
+        allocator = self.s.token_to_kv_pool_allocator
+        mask = np.zeros(allocator.size + 1, dtype=bool)
+        mask[allocator.free_pages.numpy()] = True
+        mask[allocator.release_pages.numpy()] = True
+        return mask
+
+    def _record(self, rid: str | None, kind: str, start: int, slots: list[int]) -> None:
+        holders = self._live_holders(rid)
+        free = self._free_mask()
+        rtt = self.s.req_to_token_pool.req_to_token
+        req = self.recorder.reqs.get(rid)
+        own_row = None if req is None else req.kv.req_pool_idx
+        rows = []
+        for i, slot in enumerate(slots):
+            position = start + i
+            owner = None
+            if slot == 0:
+                target = "slot 0"
+            elif own_row is not None and int(rtt[own_row, position]) == slot:
+                target = "own"
+            elif slot in holders:
+                owner, held_at, protected = holders[slot]
+                target = ("shared prefix" if held_at == position and position < protected
+                          else "other live request")
+            elif slot < len(free) and free[slot]:
+                target = "free"
+            else:
+                target = "cached"
+            rows.append(("kv_syncs", {
+                "step": self.recorder.step, "rid": rid, "kind": kind, "position": position,
+                "slot": slot, "target": target, "owner": owner,
+            }))
+        self.emit(("rows", rows, []))
+
+    # -- contents at the end ----------------------------------------------------------------
+
+    def finish(self) -> None:
+        """Emit ``kv_pool`` (every request's radix-matched slots against mlx-lm's KV) and
+        ``meta["kv_pool"]``."""
+        import mlx.core as mx
+
+        from contract_lib.tiny_model import (load_reference_model, reference_kv,
+                                             weights_digest)
+
+        pool = self.runner._attention_kv_pool if self.runner is not None else None
+        if pool is None:
+            return
+        buffers = pool.all_buffers()
+        mx.eval(*buffers)
+        slot0_nonzero = any(bool(mx.any(buffer[0] != 0).item()) for buffer in buffers)
+        layers = list(self.runner._cache_layout.full_attention_layer_indices)
+        model = load_reference_model(self.model_dir)
+        rows = []
+        for rid, req in self.recorder.reqs.items():
+            tokens = list(req.origin_input_ids) + list(req.output_ids)
+            slots = self._radix_slots(tokens)
+            if not slots:
+                continue
+            reference = reference_kv(model, tokens)
+            index = mx.array(slots, dtype=mx.int32)
+            n = len(slots)
+            diff = mx.zeros((n,))
+            nonzero = mx.zeros((n,), dtype=mx.bool_)
+            for j, layer in enumerate(layers):
+                ref_k, ref_v = reference[layer]
+                for buffer, ref in ((pool.k_buffer[j], ref_k), (pool.v_buffer[j], ref_v)):
+                    got = buffer[index]                        # (n, heads, head_dim)
+                    want = ref[:, :n, :].transpose(1, 0, 2)    # (n, heads, head_dim)
+                    diff = mx.maximum(diff, mx.abs(got - want).max(axis=(1, 2)))
+                    nonzero = nonzero | mx.any(got != 0, axis=(1, 2))
+            mx.eval(diff, nonzero)
+            for position, (slot, d, nz) in enumerate(zip(slots, diff.tolist(),
+                                                         nonzero.tolist())):
+                verdict = "ok" if d <= ATOL else ("wrong" if nz else "zero")
+                rows.append(("kv_pool", {
+                    "rid": rid, "position": position, "slot": slot, "verdict": verdict,
+                    "max_abs_diff": float(f"{d:.3g}"),
+                }))
+        self.emit(("rows", rows, []))
+        self.emit(("meta", {"kv_pool": {"slot0_nonzero": slot0_nonzero,
+                                        "model": weights_digest(self.model_dir)}}))
+
+    def _radix_slots(self, tokens: list[int]) -> list[int]:
+        """The pool slots the radix tree holds for the longest cached prefix of ``tokens``
+        (0.5.21/0.5.22: ``MatchResult.device_indices``; 0.5.23: read off the path)."""
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        tree = self.s.tree_cache
+        match = tree.match_prefix(MatchPrefixParams(key=RadixKey(array.array("q", tokens))))
+        if hasattr(match, "device_indices"):
+            return [int(s) for s in match.device_indices.tolist()]
+        path = tree.path_device_indices(match.last_device_node)
+        return [int(s) for s in path[: match.device_prefix_len].tolist()]
+
+
+def summary(frames) -> dict[str, Any]:
+    """Per request: slots written into another live request's slots or slot 0, and the
+    ``kv_pool`` verdict counts (a small dict for tests and notebooks)."""
+    syncs, pool = frames.kv_syncs, frames.kv_pool
+    written = syncs[syncs["kind"] != "dropped"]
+    out: dict[str, Any] = {}
+    for rid in dict.fromkeys(list(frames.requests["rid"])):
+        mine = written[written["rid"] == rid]
+        verdicts = pool[pool["rid"] == rid]["verdict"].value_counts()
+        out[rid] = {
+            "into slot 0": int((mine["target"] == "slot 0").sum()),
+            "into another live request": int((mine["target"] == "other live request").sum()),
+            "dropped": int(((syncs["rid"] == rid) & (syncs["kind"] == "dropped")).sum()),
+            **{verdict: int(verdicts.get(verdict, 0)) for verdict in VERDICTS},
+        }
+    return out
