@@ -153,6 +153,63 @@ def fix_idle_predicate() -> None:
     ], "fix-idle-predicate")
 
 
+def flush_all_decode_kv(self) -> None:
+    """Sync all active requests' un-flushed decode KV to the pool (0.5.21's
+    ``MlxModelRunner.flush_all_decode_kv``, verbatim; installed by ``unclamped-sync``)."""
+    if self.disable_radix_cache or self._attention_kv_pool is None:
+        return
+    for req_id in list(self._req_caches.keys()):
+        self._sync_decode_kv_to_pool(req_id)
+
+
+def unclamped_sync() -> None:
+    """#30093's reader side as shipped through 0.5.21, restored on 0.5.22+ (the ``sync
+    clamped to owned_kv_len at release`` of 0.5.22, reverted). Three code points of
+    0.5.21, each put back verbatim:
+
+    - ``MlxTpModelWorker.async_forward_batch_generation_mlx`` calls
+      ``_mlx_runner.flush_all_decode_kv()`` before every extend launch, which syncs every
+      active request's decode KV up to its cache offset (unclamped) through its
+      ``req_to_token`` row, including a finished request whose row was already released
+      and reused;
+    - ``MlxModelRunner.remove_request`` syncs the remaining decode KV (unclamped) before
+      dropping the request's state;
+    - ``prepare_for_kv_cache_release`` no longer calls ``release_request_row`` (the
+      runner keeps the row mapping until ``remove_request``).
+
+    With the real runner the chained positions' KV goes to slot 0 (fresh row) and into
+    another live request's slots (reused row), and a radix hit reads zeros. With the
+    model-free runner there is no pool to damage: only the call pattern changes.
+    """
+    from sglang.srt.hardware_backend.mlx import model_runner, tp_worker
+
+    from contract_lib import shims
+
+    worker = tp_worker.MlxTpModelWorker
+    patch_source(worker, "async_forward_batch_generation_mlx", [
+        ("return self._async_extend_batch(batch)\n",
+         "self._mlx_runner.flush_all_decode_kv()\n"
+         "return self._async_extend_batch(batch)\n"),
+    ], "unclamped-sync")
+    patch_source(worker, "prepare_for_kv_cache_release", [
+        ("self._mlx_runner.release_request_row(req.rid, req.owned_kv_len())\n", ""),
+    ], "unclamped-sync")
+    runner = model_runner.MlxModelRunner  # the model-free runner when that one is installed
+    if runner is shims.ModelFreeMlxRunner:
+        shims.install_model_free_flush()
+        return
+    patch_source(runner, "remove_request", [
+        ("self._req_token_ids.pop(req_id, None)\n",
+         "if not self.disable_radix_cache:\n"
+         "    self._sync_decode_kv_to_pool(req_id)\n"
+         "self._req_token_ids.pop(req_id, None)\n"),
+    ], "unclamped-sync")
+    if hasattr(runner, "flush_all_decode_kv"):
+        raise PatchError("patch 'unclamped-sync': this SGLang already has "
+                         "flush_all_decode_kv (<= 0.5.21): it needs no patch")
+    runner.flush_all_decode_kv = flush_all_decode_kv
+
+
 def skip_relay_publish() -> None:
     """A deliberate break on the torch loops (no upstream bug): ``run_batch`` never
     stashes sampled tokens into ``future_map.output_tokens_buf``, so the next decode
@@ -180,6 +237,9 @@ BUILTIN_PATCHES: dict[str, Patch] = {
               fix_idle_predicate, "#32934"),
         Patch("skip-relay-publish", "torch run_batch skips the FutureMap relay publish "
               "(a deliberate break)", skip_relay_publish, "none (demonstration)"),
+        Patch("unclamped-sync", "<= 0.5.21's decode-KV pool sync on 0.5.22+: unclamped, "
+              "flushed at every extend launch and at remove_request", unclamped_sync,
+              "#30093 reader side (clamped in 0.5.22)"),
     )
 }
 
