@@ -1,7 +1,12 @@
-"""Command line: ``python -m contract_lib {run,check,status} ...``.
+"""Command line: ``python -m contract_lib {run,check,status,...} ...``.
+
+``--runner {model-free,real}`` and ``--sglang VERSION`` choose the MLX runner and the
+SGLang release of ``run``, ``check`` and ``status``; ``status`` takes ``--sglang``
+several times to print the releases' clause tables side by side.
 
 Exit codes: 0 success (``check``: every clause holds), 1 a clause is violated or the run
-did not finish, 2 a usage or set-up error (unknown name, unsupported SGLang, bad patch).
+did not finish, 2 a usage or set-up error (unknown name, unsupported SGLang, bad patch,
+a release that could not be installed).
 """
 
 from __future__ import annotations
@@ -12,14 +17,16 @@ import sys
 from pathlib import Path
 
 from contract_lib.frames import Frames
-from contract_lib.harness import LOOPS, RunSetupError, run
+from contract_lib.harness import LOOPS, RUNNERS, RunSetupError, run
 from contract_lib.patches import BUILTIN_PATCHES, PatchError
 from contract_lib.report import run_summary, step_table
-from contract_lib.versions import UnsupportedSGLangError
+from contract_lib.versions import (SUPPORTED_SGLANG_VERSIONS, SGLangInstallError,
+                                   UnsupportedSGLangError)
 from contract_lib.workloads import WorkloadError
 
 FRAMES_DIR = Path(__file__).resolve().parent.parent / "data" / "frames"
-USAGE_ERRORS = (RunSetupError, WorkloadError, PatchError, UnsupportedSGLangError)
+USAGE_ERRORS = (RunSetupError, WorkloadError, PatchError, UnsupportedSGLangError,
+                SGLangInstallError)
 
 
 def _server_arg(text: str) -> tuple[str, object]:
@@ -43,8 +50,25 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server-arg", action="append", type=_server_arg, default=[],
                         metavar="KEY=VALUE", help="a ServerArgs override (repeatable)")
     parser.add_argument("--out", type=Path, help="where to write the frames (default: "
-                        "data/frames/<workload>.<loop>[.<patch>].json)")
+                        "data/frames/<workload>.<loop>[.real][.sglang-<version>]"
+                        "[.<patch>].json)")
+    _add_release_options(parser)
     _add_speed_options(parser)
+
+
+def _add_release_options(parser: argparse.ArgumentParser, repeat: bool = False) -> None:
+    parser.add_argument("--runner", choices=RUNNERS, default="model-free",
+                        help="mlx loop: the model-free next-token function (default) or "
+                        "SGLang's real MlxModelRunner with a tiny local mlx-lm model")
+    versions = ", ".join(SUPPORTED_SGLANG_VERSIONS)
+    if repeat:
+        parser.add_argument("--sglang", action="append", metavar="VERSION",
+                            help=f"the SGLang release ({versions}; default: the venv's); "
+                            "repeat to print the releases' tables side by side")
+    else:
+        parser.add_argument("--sglang", metavar="VERSION", help=f"the SGLang release "
+                            f"({versions}; default: the venv's); others install into "
+                            ".cache/sglang/<version> on first use")
 
 
 def _add_speed_options(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +80,10 @@ def _add_speed_options(parser: argparse.ArgumentParser) -> None:
 
 def _default_out(args) -> Path:
     name = f"{Path(args.workload).stem}.{args.loop}"
+    if args.runner == "real":
+        name += ".real"
+    if args.sglang:
+        name += f".sglang-{args.sglang}"
     if args.patch:
         name += "." + "+".join(args.patch).replace(":", "-").replace("/", "-")
     return FRAMES_DIR / f"{name}.json"
@@ -64,7 +92,7 @@ def _default_out(args) -> Path:
 def _run(args) -> Frames:
     frames = run(args.workload, args.loop, patch=args.patch,
                  server_args=dict(args.server_arg), cache=not args.no_cache,
-                 warm=not args.cold)
+                 warm=not args.cold, runner=args.runner, sglang=args.sglang)
     out = frames.save(args.out or _default_out(args))
     print(f"frames written to {out}{' (from the frame cache)' if frames.meta.get('cached') else ''}")
     return frames
@@ -75,6 +103,11 @@ def cmd_run(args) -> int:
     print(run_summary(frames))
     print()
     print(step_table(frames))
+    if frames.meta.get("runner") == "real" and not frames.kv_pool.empty:
+        from contract_lib.kvpool import pool_table
+
+        print()
+        print(pool_table(frames))
     return 0 if frames.status == "finished" else 1
 
 
@@ -89,11 +122,14 @@ def cmd_check(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from contract_lib.status import status
+    from contract_lib.status import releases_status
 
-    result = status(workloads=args.workload or None, loops=tuple(args.loop or LOOPS),
-                    patch="+".join(args.patch) if args.patch else None,
-                    cache=not args.no_cache, warm=not args.cold)
+    result = releases_status(list(dict.fromkeys(args.sglang or [None])),
+                             workloads=args.workload or None,
+                             loops=tuple(args.loop) if args.loop else None,
+                             patch="+".join(args.patch) if args.patch else None,
+                             cache=not args.no_cache, warm=not args.cold,
+                             runner=args.runner)
     print(result.text())
     reference = result.reference_violations()
     if not reference.empty:
@@ -158,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                                help="restrict to these loops (repeatable)")
     status_parser.add_argument("--patch", action="append",
                                help="apply this patch to every run (repeatable)")
+    _add_release_options(status_parser, repeat=True)
     _add_speed_options(status_parser)
     status_parser.set_defaults(handler=cmd_status)
     audit_parser = commands.add_parser(

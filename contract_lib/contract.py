@@ -124,6 +124,8 @@ class Report:
         """A short text table and the first violation per clause, for terminals."""
         meta = self.meta
         patch = f", patch {meta['patch']}" if meta.get("patch") else ""
+        if meta.get("runner") == "real":
+            patch = f", real MlxModelRunner{patch}"
         lines = [f"{meta['workload']} on {meta['loop']}{patch} (sglang "
                  f"{meta['sglang_version']}): run {meta['status']}, {meta['steps']} steps"]
         if meta.get("error"):

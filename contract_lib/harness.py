@@ -107,8 +107,8 @@ def run(
         raise RunSetupError(f"unknown runner {runner!r}; valid runners: {', '.join(RUNNERS)}")
     if runner == "real" and loop != "mlx":
         raise RunSetupError(
-            f"runner 'real' is SGLang's MlxModelRunner, which only the mlx loop uses; the "
-            f"torch loops stay model-free (compare a real run with "
+            "runner 'real' is SGLang's MlxModelRunner, which only the mlx loop uses; the "
+            "torch loops stay model-free (compare a real run with "
             "contract_lib.tiny_model.reference_outputs or with the MLX fixed path)")
     version = require_supported_sglang(sglang)
     if not isinstance(workload, Workload):

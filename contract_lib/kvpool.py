@@ -45,6 +45,7 @@ import sys
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
 KIND_BY_CALLER = {
     "prefill_start": "prefill",
@@ -234,19 +235,42 @@ class KvPoolRecorder:
         return [int(s) for s in path[: match.device_prefix_len].tolist()]
 
 
-def summary(frames) -> dict[str, Any]:
-    """Per request: slots written into another live request's slots or slot 0, and the
-    ``kv_pool`` verdict counts (a small dict for tests and notebooks)."""
+def summary_table(frames) -> pd.DataFrame:
+    """One row per request: the positions its KV was written to through slot 0 or into
+    another live request's slots, the positions a clamped release dropped, and the
+    ``kv_pool`` verdicts of the slots the radix tree serves for it at the end."""
     syncs, pool = frames.kv_syncs, frames.kv_pool
     written = syncs[syncs["kind"] != "dropped"]
-    out: dict[str, Any] = {}
+    rows = []
     for rid in dict.fromkeys(list(frames.requests["rid"])):
         mine = written[written["rid"] == rid]
         verdicts = pool[pool["rid"] == rid]["verdict"].value_counts()
-        out[rid] = {
+        rows.append({
+            "rid": rid,
+            "written": len(mine),
             "into slot 0": int((mine["target"] == "slot 0").sum()),
             "into another live request": int((mine["target"] == "other live request").sum()),
             "dropped": int(((syncs["rid"] == rid) & (syncs["kind"] == "dropped")).sum()),
+            "radix-matched": int(verdicts.sum()),
             **{verdict: int(verdicts.get(verdict, 0)) for verdict in VERDICTS},
-        }
-    return out
+        })
+    return pd.DataFrame(rows)
+
+
+def damaged(frames) -> bool:
+    """True when a real-runner run wrote KV through slot 0 or into another live
+    request's slots, or left a radix-matched slot zero or wrong."""
+    syncs, pool = frames.kv_syncs, frames.kv_pool
+    written = syncs[syncs["kind"] != "dropped"]
+    return bool(written["target"].isin(["slot 0", "other live request"]).any()
+                or (pool["verdict"] != "ok").any())
+
+
+def pool_table(frames) -> str:
+    """:func:`summary_table` as text, with the slot-0 state, for terminals."""
+    table = summary_table(frames)
+    slot0 = (frames.meta.get("kv_pool") or {}).get("slot0_nonzero")
+    head = ("MLX attention KV pool: writes per request (prefill, release, flush, remove) "
+            "and, at the end, the radix-matched slots against mlx-lm's KV; padding slot 0 "
+            + ("holds KV" if slot0 else "is untouched"))
+    return head + "\n" + table.to_string(index=False)

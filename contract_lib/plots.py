@@ -50,9 +50,11 @@ PURPLE, SKY, YELLOW, GREY = "#CC79A7", "#56B4E9", "#F0E442", "#999999"
 
 
 def run_label(frames: Frames) -> str:
-    """``loop`` or ``loop + patch``: how a run is named in panels and tables."""
+    """``loop`` or ``loop + patch`` (``mlx real`` for the real runner): how a run is
+    named in panels and tables."""
     patch = frames.meta.get("patch")
-    return f"{frames.loop} + {patch}" if patch else frames.loop
+    loop = f"{frames.loop} real" if frames.meta.get("runner") == "real" else frames.loop
+    return f"{loop} + {patch}" if patch else loop
 
 
 def _labels(runs: Sequence[Frames], labels: Sequence[str] | None) -> list[str]:

@@ -60,6 +60,8 @@ def run_summary(frames: Frames) -> str:
     """Status line(s): what ran, how it ended, and the error if it did not finish."""
     meta = frames.meta
     patch = f" patch={meta['patch']}" if meta.get("patch") else ""
+    if meta.get("runner") == "real":
+        patch = f" runner=real{patch}"
     lines = [f"{meta['workload']} on {meta['loop']}{patch} (sglang {meta['sglang_version']}): "
              f"{meta['status']} after {meta['steps']} steps, {len(frames.launches)} launches"]
     error = frames.error

@@ -1,4 +1,8 @@
-"""The measured clause x loop table: every shipped workload through every loop, checked."""
+"""The measured clause x loop table: every shipped workload through every loop, checked.
+
+:func:`status` runs one SGLang release; :func:`releases_status` runs several side by
+side (one column per release, one row per clause and loop).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,10 @@ from contract_lib.harness import LOOPS, run_many
 from contract_lib.patches import PatchArg, patch_spec
 from contract_lib.workloads import workload_names
 
+# The extra row of a real-runner table: did a run write KV through slot 0 or into another
+# live request's slots, or leave a radix-matched slot zero or wrong (contract_lib.kvpool)?
+KV_POOL_ROW = "- KV pool (real MlxModelRunner)"
+
 # Worst first: the status a (clause, loop) cell shows over several workloads.
 _SEVERITY = [VIOLATED, MASKED, HOLDS, NOT_EXERCISED]
 REFERENCE_LOOPS = ("normal", "overlap")
@@ -22,6 +30,10 @@ class Status:
     """Reports of every (workload, loop) run, and their summary per clause and loop."""
 
     reports: dict[tuple[str, str], Report]
+    sglang: str | None = None
+    runner: str = "model-free"
+    # Real runner only: (workload, loop) -> whether the run damaged the MLX KV pool.
+    kv_damaged: dict[tuple[str, str], bool] = dataclasses.field(default_factory=dict)
 
     def per_run(self) -> pd.DataFrame:
         """One row per (workload, loop, clause) with that run's status."""
@@ -46,6 +58,13 @@ class Status:
                 count = int((cell["status"] == worst).sum())
                 row[loop] = f"{worst} ({count}/{len(cell)})"
             rows.append(row)
+        if self.kv_damaged:
+            row = {"clause": KV_POOL_ROW}
+            for loop in loops:
+                cell = [bad for (_, l), bad in self.kv_damaged.items() if l == loop]
+                worst = "damaged" if any(cell) else "intact"
+                row[loop] = f"{worst} ({sum(cell) if any(cell) else len(cell)}/{len(cell)})"
+            rows.append(row)
         return pd.DataFrame(rows).set_index("clause")
 
     def runs_not_finished(self) -> list[tuple[str, str, str]]:
@@ -68,18 +87,107 @@ class Status:
             for clause in table.index]
         lines.append("")
         lines.append("(worst status over the workloads, and in how many of them it shows)")
+        if self.kv_damaged:
+            lines.append("(KV pool: damaged = KV written through slot 0 or into another live "
+                         "request's slots, or a radix-matched slot left zero or wrong)")
         for workload, loop, status in self.runs_not_finished():
             lines.append(f"run {workload} on {loop}: {status}")
         return "\n".join(line.rstrip() for line in lines)
 
 
-def status(workloads: list[str] | None = None, loops: tuple[str, ...] = LOOPS,
+def default_loops(runner: str = "model-free") -> tuple[str, ...]:
+    """Every loop, or only ``mlx`` for the real runner (the torch loops stay model-free)."""
+    return ("mlx",) if runner == "real" else LOOPS
+
+
+def status(workloads: list[str] | None = None, loops: tuple[str, ...] | None = None,
            patch: PatchArg = None, progress: bool = True, cache: bool = True,
-           warm: bool = True) -> Status:
-    """Run and check every workload through every loop (in parallel)."""
+           warm: bool = True, runner: str = "model-free", sglang: str | None = None,
+           ) -> Status:
+    """Run and check every workload through every loop (in parallel) on one release."""
+    return releases_status([sglang], workloads, loops, patch, progress, cache, warm,
+                           runner).statuses[0]
+
+
+@dataclasses.dataclass
+class ReleasesStatus:
+    """:class:`Status` of several SGLang releases, side by side."""
+
+    statuses: list[Status]
+
+    def table(self) -> pd.DataFrame:
+        """Rows (clause, loop), one column per release: the worst status over workloads."""
+        tables = {s.sglang: s.table() for s in self.statuses}
+        rows = []
+        for clause in next(iter(tables.values())).index:
+            for loop in next(iter(tables.values())).columns:
+                row = {"clause": clause, "loop": loop}
+                for version, table in tables.items():
+                    row[version] = table.loc[clause, loop] if loop in table else "-"
+                rows.append(row)
+        return pd.DataFrame(rows).set_index(["clause", "loop"])
+
+    def text(self) -> str:
+        if len(self.statuses) == 1:
+            return self.statuses[0].text()
+        table = self.table()
+        width = max(len(c) for c, _ in table.index) + 2
+        loop_width = max(len(loop) for _, loop in table.index) + 2
+        versions = list(table.columns)
+        runner = self.statuses[0].runner
+        lines = ["clause".ljust(width) + "loop".ljust(loop_width)
+                 + "".join(f"sglang {v:<17}" for v in versions)]
+        previous = None
+        for clause, loop in table.index:
+            label = clause if clause != previous else ""
+            previous = clause
+            lines.append(label.ljust(width) + loop.ljust(loop_width) + "".join(
+                f"{table.loc[(clause, loop), v]:<24}" for v in versions))
+        lines.append("")
+        lines.append("(worst status over the workloads, and in how many of them it shows"
+                     + ("; MLX with the real MlxModelRunner)" if runner == "real" else ")"))
+        if runner == "real":
+            lines.append("(KV pool: damaged = KV written through slot 0 or into another live "
+                         "request's slots, or a radix-matched slot left zero or wrong)")
+        for s in self.statuses:
+            for workload, loop, state in s.runs_not_finished():
+                lines.append(f"run {workload} on {loop} (sglang {s.sglang}): {state}")
+        return "\n".join(line.rstrip() for line in lines)
+
+    def reference_violations(self) -> pd.DataFrame:
+        frames = []
+        for s in self.statuses:
+            bad = s.reference_violations()
+            frames.append(bad.assign(sglang=s.sglang))
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def releases_status(versions: list[str | None], workloads: list[str] | None = None,
+                    loops: tuple[str, ...] | None = None, patch: PatchArg = None,
+                    progress: bool = True, cache: bool = True, warm: bool = True,
+                    runner: str = "model-free") -> ReleasesStatus:
+    """Every workload through every loop on each SGLang release in ``versions`` (None:
+    the venv's), all runs in parallel; each release installs on first use."""
+    from contract_lib.versions import require_supported_sglang, sglang_path
+
     workloads = workloads or workload_names()
+    loops = tuple(loops or default_loops(runner))
     spec = patch_spec(patch)
-    keys = [(w, loop) for w in workloads for loop in loops]
+    resolved = [require_supported_sglang(v) for v in versions]
+    for version in resolved:
+        sglang_path(version)  # install before the parallel runs, one release at a time
+    keys = [(v, w, loop) for v in resolved for w in workloads for loop in loops]
     frames = run_many([{"workload": w, "loop": loop, "patch": spec, "cache": cache,
-                        "warm": warm} for w, loop in keys], progress=progress)
-    return Status({key: check(f) for key, f in zip(keys, frames)})
+                        "warm": warm, "runner": runner, "sglang": v}
+                       for v, w, loop in keys], progress=progress)
+    statuses = []
+    for version in resolved:
+        runs = [((w, loop), f) for (v, w, loop), f in zip(keys, frames) if v == version]
+        damage = {}
+        if runner == "real":
+            from contract_lib.kvpool import damaged
+
+            damage = {key: damaged(f) for key, f in runs}
+        statuses.append(Status({key: check(f) for key, f in runs}, sglang=version,
+                               runner=runner, kv_damaged=damage))
+    return ReleasesStatus(statuses)
