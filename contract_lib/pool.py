@@ -56,10 +56,13 @@ def _recv(sock: socket.socket, with_fds: int = 0):
 
 def child_env(sglang_dir=None) -> dict[str, str]:
     """The environment of a run's process (cold child or fork server): this process's
-    ``sys.path`` as ``PYTHONPATH``, with the SGLang release folder first when given."""
+    ``sys.path`` as ``PYTHONPATH``, with the SGLang release folder first when given, and
+    a fixed ``PYTHONHASHSEED``: SGLang iterates sets of request ids (e.g. 0.5.21's
+    ``_cleanup_stale_rids`` removes stale requests, syncing their KV, in set order), so
+    without it two processes could order the same writes differently."""
     paths = [str(sglang_dir)] if sglang_dir is not None else []
     paths += [p for p in sys.path if p and p != str(sglang_dir)]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONHASHSEED": "0"}
 
 
 class ForkServer:

@@ -1,4 +1,4 @@
-"""Shared fixtures: one real run per (workload, loop, patch) per test session."""
+"""Shared fixtures: one real run per (workload, loop, patch, runner, release) per session."""
 
 from __future__ import annotations
 
@@ -10,14 +10,17 @@ import contract_lib
 
 
 @functools.lru_cache(maxsize=None)
-def _cached_run(workload: str, loop: str, patch: str | None) -> contract_lib.Frames:
-    return contract_lib.run(workload, loop, patch=patch)
+def _cached_run(workload: str, loop: str, patch: str | None, runner: str = "model-free",
+                sglang: str | None = None) -> contract_lib.Frames:
+    return contract_lib.run(workload, loop, patch=patch, runner=runner, sglang=sglang)
 
 
 @pytest.fixture(scope="session")
 def run_cached():
-    """``run_cached(workload, loop, patch=None)``: a real run, shared within the session.
+    """``run_cached(workload, loop, patch=None, runner="model-free", sglang=None)``: a
+    real run, shared within the session (and served from the frame cache across them).
 
     Tests must not mutate the returned frames.
     """
-    return lambda workload, loop, patch=None: _cached_run(workload, loop, patch)
+    return lambda workload, loop, patch=None, runner="model-free", sglang=None: (
+        _cached_run(workload, loop, patch, runner, sglang))

@@ -1,0 +1,159 @@
+"""SGLang's real MlxModelRunner on MLX's CPU backend, with the tiny local mlx-lm model.
+
+Clause 1 end to end: on 0.5.23 the clamped release sync drops the unrecorded chained
+positions (cache loss, no damage); with ``unclamped-sync`` (0.5.21's sync restored) the
+same workload writes decode KV into slot 0 and into another live request's slots, and
+the second turn, a radix hit on a reused row, emits different tokens than the fixed
+path. Everything is measured from the frames (``kv_syncs``, ``kv_pool``, ``outputs``).
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+import contract_lib
+from contract_lib import kvpool
+from contract_lib.tiny_model import (build_tiny_model, reference_outputs, tiny_model_dir,
+                                     weights_digest)
+
+REAL = "real"
+
+
+@pytest.fixture(scope="module")
+def two_turn(run_cached):
+    runs = {
+        "shipped": run_cached("two-turn", "mlx", runner=REAL),
+        "unclamped": run_cached("two-turn", "mlx", "unclamped-sync", runner=REAL),
+        "fixed": run_cached("two-turn", "mlx", "fix-chained-accounting", runner=REAL),
+    }
+    for name, frames in runs.items():
+        assert frames.status == "finished", (name, frames.error)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_outputs("two-turn")
+
+
+def _writes(frames, target):
+    syncs = frames.kv_syncs
+    return syncs[(syncs.kind != "dropped") & (syncs.target == target)]
+
+
+# -- the runner and the model ----------------------------------------------------------------
+
+
+def test_tiny_model_is_built_locally_and_deterministically(tmp_path):
+    path = tiny_model_dir()
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {
+        p.name for p in path.iterdir()}
+    assert weights_digest(build_tiny_model(tmp_path / "again")) == weights_digest(path)
+
+
+def test_real_runner_is_sglangs_own_and_deterministic():
+    first, second = (contract_lib.run("two-turn", "mlx", runner=REAL, cache=False)
+                     for _ in range(2))
+    for frames in (first, second):
+        assert frames.status == "finished", frames.error
+        assert "mlx-model-free-runner" not in frames.meta["shims"]
+        assert frames.meta["runner"] == REAL
+    a, b = first.comparable(), second.comparable()
+    assert a.keys() == b.keys()
+    for name in a:
+        pd.testing.assert_frame_equal(a[name], b[name], obj=name)
+    assert first.output_tokens() == second.output_tokens()
+    assert len(first.kv_syncs) > 0 and len(first.kv_pool) > 0
+
+
+def test_real_runner_emits_mlx_lm_greedy_tokens(two_turn, reference):
+    assert two_turn["shipped"].output_tokens() == reference
+    assert two_turn["fixed"].output_tokens() == reference
+
+
+def test_real_runner_is_mlx_only():
+    with pytest.raises(contract_lib.RunSetupError, match="only the mlx loop"):
+        contract_lib.run("two-turn", "normal", runner=REAL)
+    with pytest.raises(contract_lib.RunSetupError, match="model-free, real"):
+        contract_lib.run("two-turn", "mlx", runner="cuda")
+
+
+# -- 0.5.23 as shipped: the clamped sync drops the unrecorded positions ---------------------
+
+
+def test_clamped_sync_drops_the_unrecorded_chained_positions(two_turn):
+    frames = two_turn["shipped"]
+    for target in ("slot 0", "other live request", "free"):
+        assert _writes(frames, target).empty, target
+    assert (frames.kv_pool.verdict == "ok").all()
+    assert frames.meta["kv_pool"]["slot0_nonzero"] is False
+    # What the clamp leaves out: a's chained positions past its committed bound, whose
+    # req_to_token entries are 0 (never recorded). They never reach the pool, so the
+    # second turn reuses only the committed prefix (clause 2's cache loss).
+    dropped = frames.kv_syncs.query("kind == 'dropped' and rid == 'a'")
+    final = frames.requests.query("rid == 'a' and finished").iloc[0]
+    assert dropped.position.min() == final.kv_committed_len
+    assert dropped.position.max() == final.kv_computed - 1
+    assert (dropped.slot == 0).all()
+    a2 = frames.requests.query("rid == 'a2'").iloc[-1]
+    assert a2.cached_tokens == final.kv_committed_len < final.kv_computed
+
+
+# -- unclamped-sync: the damage, and the silent wrong output --------------------------------
+
+
+def test_unclamped_sync_writes_decode_kv_into_slot_0(two_turn):
+    frames = two_turn["unclamped"]
+    into_zero = _writes(frames, "slot 0")
+    # a's first extend-time flush (c's prefill) syncs a's chained positions 17..19, whose
+    # entries were never recorded, into the padding slot.
+    flush = into_zero.query("rid == 'a' and kind == 'flush'")
+    assert flush.position.tolist() == [17, 18, 19]
+    assert frames.meta["kv_pool"]["slot0_nonzero"] is True
+
+
+def test_unclamped_sync_writes_into_another_live_requests_slots(two_turn):
+    frames = two_turn["unclamped"]
+    requests = frames.requests
+    a_row = requests.query("rid == 'a' and not finished").req_pool_idx.iloc[0]
+    a2 = requests.query("rid == 'a2' and not finished")
+    assert (a2.req_pool_idx == a_row).all()  # the second turn reuses a's row
+    assert a2.cached_tokens.iloc[-1] > 0     # and hits the radix cache
+    hits = _writes(frames, "other live request")
+    assert not hits.empty
+    assert set(hits.rid) == {"a"} and set(hits.owner) == {"a2"}
+    # Those slots are a2's own, at the same positions of the shared row.
+    step = int(hits.step.iloc[0]) + 1
+    slots = frames.slots.query("rid == 'a2' and step == @step").set_index("position").slot
+    assert all(slots[p] == s for p, s in zip(hits.position, hits.slot))
+
+
+def test_second_turn_emits_different_tokens_than_the_fixed_path(two_turn, reference):
+    damaged = two_turn["unclamped"].output_tokens()
+    fixed = two_turn["fixed"].output_tokens()
+    assert damaged["a2"] != fixed["a2"] == reference["a2"]
+    assert {rid: damaged[rid] for rid in "abc"} == {rid: fixed[rid] for rid in "abc"}
+    # The reason, in the pool: a2's radix-matched prefix has slots that were never
+    # written (zero) and KV computed over them (wrong).
+    a2 = two_turn["unclamped"].kv_pool.query("rid == 'a2'")
+    assert set(a2.verdict) == {"ok", "zero", "wrong"}
+    first_bad = a2[a2.verdict != "ok"].position.min()
+    assert (a2[a2.position < first_bad].verdict == "ok").all()
+    assert not kvpool.damaged(two_turn["fixed"])
+    assert (two_turn["fixed"].kv_pool.verdict == "ok").all()
+
+
+def test_kv_pool_summary_table(two_turn):
+    table = kvpool.summary_table(two_turn["unclamped"]).set_index("rid")
+    assert table.loc["a", "into slot 0"] > 0
+    assert table.loc["a", "into another live request"] > 0
+    assert table.loc["a2", "wrong"] > 0
+    assert "holds KV" in kvpool.pool_table(two_turn["unclamped"])
+    assert "untouched" in kvpool.pool_table(two_turn["shipped"])
+
+
+def test_model_free_runs_keep_the_kv_tables_empty(run_cached):
+    frames = run_cached("two-turn", "mlx")
+    assert frames.meta["runner"] == "model-free"
+    assert frames.kv_syncs.empty and frames.kv_pool.empty
