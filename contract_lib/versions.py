@@ -128,8 +128,8 @@ def install_release(version: str) -> Path:
                    "--disable-pip-version-check", "--quiet", "--target", str(tmp),
                    f"sglang=={version}"]
         started = time.perf_counter()
-        print(f"contract_lib: installing sglang {version} into {folder} (first use; "
-              "~30 MB download) ...", file=sys.stderr, flush=True)
+        _say(f"contract_lib: installing sglang {version} into {folder} (first use; "
+             "~30 MB download) ...")
         try:
             done = subprocess.run(command, capture_output=True, text=True,
                                   timeout=PIP_TIMEOUT_S)
@@ -149,9 +149,15 @@ def install_release(version: str) -> Path:
         if folder.exists():  # an incomplete folder left by hand
             shutil.rmtree(folder)
         os.rename(tmp, folder)
-        print(f"contract_lib: sglang {version} installed in "
-              f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+        _say(f"contract_lib: sglang {version} installed in "
+             f"{time.perf_counter() - started:.1f} s")
         return folder
+
+
+def _say(message: str) -> None:
+    """Progress on a terminal only (a notebook's or CI's stderr stays clean)."""
+    if sys.stderr.isatty():
+        print(message, file=sys.stderr, flush=True)
 
 
 def sglang_package_dir(folder: Path | None) -> Path | None:

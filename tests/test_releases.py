@@ -96,6 +96,14 @@ def test_model_free_run_on_an_older_release(run_cached, version):
     pd.testing.assert_frame_equal(frames.slots, current.slots)
 
 
+def test_0_5_21_needs_the_stub_backport_to_start():
+    """Without the backport, 0.5.21's own stub fails the Scheduler build (upstream bug)."""
+    frames = contract_lib.run("two-turn", "normal", sglang="0.5.21",
+                              patch="user_patches:undo_stub_backport")
+    assert frames.status == "crashed" and frames.error["phase"] == "setup"
+    assert "kv_cache_configurator" in frames.error["message"]
+
+
 def test_cold_child_imports_the_same_release():
     cold = contract_lib.run("two-turn", "mlx", sglang="0.5.21", runner="real", warm=False,
                             cache=False)

@@ -49,3 +49,11 @@ def stale_forward_iter():
         ("batch.forward_iter = self.forward_ct\n",
          "batch.forward_iter = self.forward_ct - 1\n"),
     ], "stale-forward-iter")
+
+
+def undo_stub_backport():
+    """Remove contract_lib's backport of ``MlxModelRunnerStub.logical_max_total_num_tokens``
+    (0.5.21 lacks it): the run then meets 0.5.21's startup bug."""
+    from sglang.srt.hardware_backend.mlx.model_runner_stub import MlxModelRunnerStub
+
+    del MlxModelRunnerStub.logical_max_total_num_tokens
