@@ -120,7 +120,8 @@ print(plots.step_snapshot(mlx, 7, "a", report=report))
 #
 # *Model-free note:* these runs replace the model, so the MLX decode-KV pool sync never
 # writes real KV here. This notebook shows the unrecorded positions, not the wrong output
-# they lead to; reproducing that output needs the real `MlxModelRunner` (a later issue).
+# they lead to; [08-wrong-output](08-wrong-output.ipynb) runs the real `MlxModelRunner`
+# and measures that output on 0.5.21, the release that shipped it.
 #
 # ## Green: the candidate fix records every position
 

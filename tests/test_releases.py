@@ -104,11 +104,11 @@ def test_0_5_21_needs_the_stub_backport_to_start():
     assert "kv_cache_configurator" in frames.error["message"]
 
 
-def test_cold_child_imports_the_same_release():
+def test_cold_child_imports_the_same_release(run_cached):
     cold = contract_lib.run("two-turn", "mlx", sglang="0.5.21", runner="real", warm=False,
                             cache=False)
     assert cold.status == "finished", cold.error
-    warm = contract_lib.run("two-turn", "mlx", sglang="0.5.21", runner="real", cache=False)
+    warm = run_cached("two-turn", "mlx", sglang="0.5.21", runner="real")
     for name, table in cold.comparable().items():
         pd.testing.assert_frame_equal(table, warm.comparable()[name], obj=name)
 
