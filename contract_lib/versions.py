@@ -3,9 +3,10 @@
 The venv holds one SGLang (the set-up release, 0.5.23). The other supported releases run
 from their own install folder, ``.cache/sglang/<version>`` in the project checkout (or
 ``$CONTRACT_LIB_SGLANG_DIR/<version>``), installed on first use with
-``pip install --no-deps --no-compile --target`` and put first on the run's
-``PYTHONPATH``: the run's child process (and its warm fork server) imports that release,
-everything else (torch, mlx, transformers) from the venv. The venv is never modified.
+``pip install --no-deps --no-compile --target`` (then byte-compiled once) and put first
+on the run's ``PYTHONPATH``: the run's child process (and its warm fork server) imports
+that release, everything else (torch, mlx, transformers) from the venv. The venv is
+never modified.
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ def sglang_path(version: str | None) -> Path | None:
 
 
 def install_release(version: str) -> Path:
-    """``pip install --no-deps --no-compile --target <folder> sglang==<version>``.
+    """``pip install --no-deps --no-compile --target <folder> sglang==<version>``, then
+    byte-compile it (:func:`_compile`).
 
     Atomic: pip writes into a temporary sibling folder which is renamed into place when
     complete, so an interrupted install never leaves a half folder behind. Serialised
