@@ -73,7 +73,8 @@ def install_import_shims() -> list[str]:
 
     Returns the names of the import shims in effect (empty where none is needed).
     """
-    if "triton-standin" not in _IMPORT_SHIMS and importlib.util.find_spec("triton") is None:
+    if ("triton-standin" not in _IMPORT_SHIMS and importlib.util.find_spec("triton") is None
+            and not on_apple_silicon_with_mlx()):  # there sglang/__init__ installs it itself
         _install_sglang_triton_standin()
         _IMPORT_SHIMS.append("triton-standin")
     if ("torchvision-placeholder" not in _IMPORT_SHIMS
