@@ -118,7 +118,15 @@ def cmd_check(args) -> int:
     report = check(frames)
     print()
     print(report.text())
-    return 0 if report.ok else 1
+    kv_damaged = False
+    if frames.meta.get("runner") == "real" and frames.status == "finished":
+        from contract_lib import kvpool
+
+        kv_damaged = kvpool.damaged(frames)
+        print()
+        print(f"KV pool (real MlxModelRunner): {'DAMAGED' if kv_damaged else 'intact'}")
+        print(kvpool.pool_table(frames))
+    return 0 if report.ok and not kv_damaged else 1
 
 
 def cmd_status(args) -> int:
