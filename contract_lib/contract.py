@@ -49,7 +49,7 @@ from typing import Any
 
 import pandas as pd
 
-from contract_lib.frames import Frames
+from contract_lib.frames import Frames, run_title
 
 CLAUSES: dict[int, str] = {
     1: "slots recorded",
@@ -123,11 +123,7 @@ class Report:
     def text(self) -> str:
         """A short text table and the first violation per clause, for terminals."""
         meta = self.meta
-        patch = f", patch {meta['patch']}" if meta.get("patch") else ""
-        if meta.get("runner") == "real":
-            patch = f", real MlxModelRunner{patch}"
-        lines = [f"{meta['workload']} on {meta['loop']}{patch} (sglang "
-                 f"{meta['sglang_version']}): run {meta['status']}, {meta['steps']} steps"]
+        lines = [f"{run_title(meta)}: run {meta['status']}, {meta['steps']} steps"]
         if meta.get("error"):
             error = meta["error"]
             lines.append(f"  run {meta['status']}: {error['type']}: {error['message']}")

@@ -82,6 +82,16 @@ WALL_CLOCK_COLUMNS: dict[str, list[str]] = {
 STATUSES = ("finished", "crashed", "timeout", "died")
 
 
+def run_title(meta: dict[str, Any]) -> str:
+    """``workload on loop[, real MlxModelRunner][, patch P] (sglang V)`` for headings."""
+    parts = [f"{meta['workload']} on {meta['loop']}"]
+    if meta.get("runner") == "real":
+        parts.append("real MlxModelRunner")
+    if meta.get("patch"):
+        parts.append(f"patch {meta['patch']}")
+    return f"{', '.join(parts)} (sglang {meta['sglang_version']})"
+
+
 class FramesFormatError(ValueError):
     """A frames file is unreadable or written in another schema version."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from contract_lib.frames import Frames
+from contract_lib.frames import Frames, run_title
 
 
 def _cell(value) -> str:
@@ -59,11 +59,8 @@ def step_table(frames: Frames) -> str:
 def run_summary(frames: Frames) -> str:
     """Status line(s): what ran, how it ended, and the error if it did not finish."""
     meta = frames.meta
-    patch = f" patch={meta['patch']}" if meta.get("patch") else ""
-    if meta.get("runner") == "real":
-        patch = f" runner=real{patch}"
-    lines = [f"{meta['workload']} on {meta['loop']}{patch} (sglang {meta['sglang_version']}): "
-             f"{meta['status']} after {meta['steps']} steps, {len(frames.launches)} launches"]
+    lines = [f"{run_title(meta)}: {meta['status']} after {meta['steps']} steps, "
+             f"{len(frames.launches)} launches"]
     error = frames.error
     if error:
         lines.append(f"  {error['type']} during {error['phase']}: {error['message']}")
