@@ -178,8 +178,12 @@ def _execute(spec: dict[str, Any], meta: dict[str, Any], hang_timeout: float,
     read_fd, write_fd = os.pipe()
     server = POOL.acquire(sglang_dir) if warm else None
     if server is not None:
-        child = server.start_run(spec, write_fd, log_fd)
-    else:
+        try:
+            child = server.start_run(spec, write_fd, log_fd)
+        except (EOFError, OSError):  # the server died before the run started: go cold
+            POOL.discard(server)
+            server = None
+    if server is None:
         env = child_env(sglang_dir)
         child = subprocess.Popen(
             [sys.executable, "-c",
@@ -249,6 +253,12 @@ def _collect(receiver: Connection, child, meta: dict[str, Any], hang_timeout: fl
             "type": "Hang", "phase": "loop",
             "message": f"no frame from the child for {hang_timeout:.0f} s; killed it",
             "traceback": None, "signal": None, "log_tail": log_tail}
+    elif getattr(child, "server_lost", False):
+        status, error = "died", {
+            "type": "ForkServerDied", "phase": "loop" if rows.get("steps") else "setup",
+            "message": "the warm fork server died during the run, so the run's exit status "
+                       "is unknown; its process was killed (rerun, or use warm=False)",
+            "traceback": None, "signal": None, "exit_code": None, "log_tail": log_tail}
     else:
         code = child.returncode
         signame = signal.Signals(-code).name if code is not None and code < 0 else None

@@ -108,6 +108,9 @@ class WarmChild:
         self.server = server
         self.pid = pid
         self.returncode: int | None = None
+        # True when the fork server itself died during the run: the run's exit status is
+        # then unknown, and its process (the server's child) is killed.
+        self.server_lost = False
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -127,6 +130,11 @@ class WarmChild:
             self.server.sock.settimeout(timeout)
             try:
                 (kind, code), _ = _recv(self.server.sock)
+            except (EOFError, ConnectionError):
+                self.server_lost = True
+                self.kill()
+                self.returncode = -9
+                return self.returncode
             finally:
                 self.server.sock.settimeout(None)
             assert kind == "exit", kind

@@ -91,3 +91,26 @@ def test_key_changes_with_a_user_patch_module_source(monkeypatch, tmp_path):
     before = cache.key(_spec(patch="my_triage_patch:apply"))
     module.write_text("def apply():\n    print('changed')\n")
     assert cache.key(_spec(patch="my_triage_patch:apply")) != before
+
+
+def test_a_fork_server_dying_mid_run_is_reported_with_frames():
+    import os
+    import signal
+    import threading
+    import time
+
+    from contract_lib.pool import POOL
+
+    contract_lib.run("single-decode", "normal", cache=False)  # a warm, idle server
+    server = POOL.idle[None][-1]
+
+    def kill_server():
+        time.sleep(3)
+        os.kill(server.process.pid, signal.SIGKILL)
+
+    threading.Thread(target=kill_server, daemon=True).start()
+    frames = contract_lib.run("two-turn", "normal", patch="user_patches:hang_in_loop",
+                              cache=False, hang_timeout=60)
+    assert frames.status == "died" and frames.error["type"] == "ForkServerDied"
+    assert len(frames.steps) >= 3
+    assert contract_lib.run("single-decode", "normal", cache=False).status == "finished"
