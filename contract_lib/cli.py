@@ -98,9 +98,18 @@ def _run(args) -> Frames:
     return frames
 
 
+def _setup_failed(frames: Frames) -> bool:
+    """The run never reached the loop (e.g. a bad server arg or a patch that would not
+    apply): a set-up error, exit code 2."""
+    error = frames.error or {}
+    return frames.status != "finished" and error.get("phase") == "setup"
+
+
 def cmd_run(args) -> int:
     frames = _run(args)
     print(run_summary(frames))
+    if _setup_failed(frames):
+        return 2
     print()
     print(step_table(frames))
     if frames.meta.get("runner") == "real" and not frames.kv_pool.empty:
@@ -115,6 +124,9 @@ def cmd_check(args) -> int:
     from contract_lib.contract import check
 
     frames = _run(args)
+    if _setup_failed(frames):
+        print(run_summary(frames))
+        return 2
     report = check(frames)
     print()
     print(report.text())

@@ -20,6 +20,7 @@ from __future__ import annotations
 import __future__
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import re
 import textwrap
@@ -282,7 +283,18 @@ def patch_spec(patch: PatchArg) -> str | None:
             raise PatchError(
                 f"unknown patch {part!r}; built-in patches: {', '.join(BUILTIN_PATCHES)} "
                 "(or 'package.module:callable'; combine several with '+')")
+        if part not in BUILTIN_PATCHES and _module_missing(part.partition(":")[0]):
+            raise PatchError(
+                f"patch {part!r}: no module {part.partition(':')[0]!r} on this Python path "
+                "(the run's child process imports it by name)")
     return "+".join(parts) or None
+
+
+def _module_missing(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is None
+    except (ImportError, ValueError):
+        return True
 
 
 def resolve_patch(spec: str) -> Callable[[], None]:

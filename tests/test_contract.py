@@ -226,3 +226,9 @@ def test_patched_loop_keeps_the_capture_hooks(run_cached):
     """A source patch of the MLX loop must still have its relay reads recorded."""
     report = check(run_cached("mixed-chunk", "mlx", "fix-chained-accounting"))
     assert report.clauses[4].status == VIOLATED and len(report.clauses[4].violations) == 3
+
+
+def test_a_run_that_fails_in_setup_is_exit_code_2(capsys):
+    assert main(["check", "--loop", "normal", "--workload", "single-decode",
+                 "--server-arg", "max_runing_requests=4", "--out", "/dev/null"]) == 2
+    assert "max_runing_requests" in capsys.readouterr().out

@@ -47,7 +47,7 @@ def test_patch_source_fails_loudly_when_the_code_moved(module):
 def test_patch_spec_combines_and_validates():
     assert patch_spec(["fix-chained-accounting", "fix-idle-predicate"]) == (
         "fix-chained-accounting+fix-idle-predicate")
-    assert patch_spec("my.module:fn") == "my.module:fn"
+    assert patch_spec("user_patches:raise_in_loop") == "user_patches:raise_in_loop"
     with pytest.raises(PatchError, match="unknown patch 'nope'"):
         patch_spec("fix-idle-predicate+nope")
     with pytest.raises(PatchError, match="cannot import it"):
@@ -70,3 +70,8 @@ def test_bug_catalog_replays_name_real_patches_and_workloads():
 
 def test_a_patch_named_twice_applies_once():
     assert patch_spec("skip-relay-publish+skip-relay-publish") == "skip-relay-publish"
+
+
+def test_a_user_patch_from_a_missing_module_is_a_usage_error():
+    with pytest.raises(PatchError, match="no module 'nosuch.module'"):
+        patch_spec("nosuch.module:fn")
