@@ -3,7 +3,8 @@
 The venv holds one SGLang (the set-up release, 0.5.23). The other supported releases run
 from their own install folder, ``.cache/sglang/<version>`` in the project checkout (or
 ``$CONTRACT_LIB_SGLANG_DIR/<version>``), installed on first use with
-``pip install --no-deps --no-compile --target`` (then byte-compiled once) and put first
+``pip install --no-deps --target`` (pip byte-compiles it, so runs never compile SGLang
+from source even where ``PYTHONDONTWRITEBYTECODE`` is set) and put first
 on the run's ``PYTHONPATH``: the run's child process (and its warm fork server) imports
 that release, everything else (torch, mlx, transformers) from the venv. The venv is
 never modified.
@@ -108,8 +109,7 @@ def sglang_path(version: str | None) -> Path | None:
 
 
 def install_release(version: str) -> Path:
-    """``pip install --no-deps --no-compile --target <folder> sglang==<version>``, then
-    byte-compile it (:func:`_compile`).
+    """``pip install --no-deps --target <folder> sglang==<version>`` (~8 s, ~200 MB).
 
     Atomic: pip writes into a temporary sibling folder which is renamed into place when
     complete, so an interrupted install never leaves a half folder behind. Serialised
@@ -126,7 +126,7 @@ def install_release(version: str) -> Path:
             return folder
         tmp = parent / f".{version}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        command = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile",
+        command = [sys.executable, "-m", "pip", "install", "--no-deps",
                    "--disable-pip-version-check", "--quiet", "--target", str(tmp),
                    f"sglang=={version}"]
         started = time.perf_counter()
@@ -148,23 +148,12 @@ def install_release(version: str) -> Path:
                 f"{done.returncode}. It needs network access to PyPI (or a local index "
                 f"holding the sglang {version} wheel). Command: {' '.join(command)}\n"
                 f"{output}")
-        _compile(tmp / "sglang")
         if folder.exists():  # an incomplete folder left by hand
             shutil.rmtree(folder)
         os.rename(tmp, folder)
         _say(f"contract_lib: sglang {version} installed in "
              f"{time.perf_counter() - started:.1f} s")
         return folder
-
-
-def _compile(package: Path) -> None:
-    """Byte-compile the release once (~4 s on 2 cores, +75 MB), as pip would without
-    ``--no-compile``: a run forks from a warm server, but the modules the Scheduler build
-    imports after the fork would otherwise be compiled from source in every run (~1 s
-    per run) wherever bytecode writing is off (``PYTHONDONTWRITEBYTECODE``)."""
-    import compileall
-
-    compileall.compile_dir(str(package), quiet=2, workers=os.cpu_count() or 1)
 
 
 def _say(message: str) -> None:
