@@ -12,7 +12,7 @@ records, and calls the original:
 - The forward launch: the torch model-free forward calls :meth:`Recorder.on_torch_launch`;
   on the MLX loop ``MlxTpModelWorker.async_forward_batch_generation_mlx`` (fresh) and
   ``async_chained_decode_mlx`` (chained) are wrapped on the instance.
-- ``ReqToTokenPool.write`` (instance): the one CPU-path writer of ``req_to_token`` in
+- ``ReqToTokenPool.write`` (class, in the child only): the one CPU-path writer of ``req_to_token`` in
   0.5.21-0.5.23 (``alloc_for_extend`` via ``write_cache_indices``' non-Triton branch,
   ``alloc_for_decode``, the radix caches' ``cache_unfinished_req``); every entry written
   is attributed to the request holding that row at write time, so a ``slots`` entry
@@ -150,17 +150,21 @@ class Recorder:
         future_map.stash_bonus_tokens = stash_bonus_tokens
 
     def _install_row_write_hook(self) -> None:
+        """Wrap ``write`` on the class that defines it (not the instance), before the
+        effects recorder wraps the same class: its hook then still sees SGLang's caller."""
         pool = self.s.req_to_token_pool
-        table = pool.req_to_token
-        self.written_by = np.full(tuple(table.shape), -1, dtype=np.int32)
-        real_write = pool.write
+        self.written_by = np.full(tuple(pool.req_to_token.shape), -1, dtype=np.int32)
+        owner = next(c for c in type(pool).__mro__ if "write" in vars(c))
+        real_write = owner.write
+        recorder = self
 
-        def write(indices, values, *args, **kwargs):
-            out = real_write(indices, values, *args, **kwargs)
-            self.on_row_write(indices)
+        def write(obj, indices, values, *args, **kwargs):
+            out = real_write(obj, indices, values, *args, **kwargs)
+            if obj is pool:
+                recorder.on_row_write(indices)
             return out
 
-        pool.write = write
+        owner.write = write
 
     def on_row_write(self, indices) -> None:
         """Attribute the entries ``req_to_token[indices]`` just written to the request
