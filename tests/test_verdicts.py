@@ -243,6 +243,9 @@ def test_reused_row_leaves_stale_entries_on_mlx_only(run_cached):
     assert "previous holder" in stale.iloc[0]["explanation"]
     for loop in ("normal", "overlap"):
         assert check(run_cached(REUSED_ROW, loop)).clauses[1].status == HOLDS, loop
+    # Recording the chained positions (the candidate fix) makes every entry b's own.
+    fixed = check(run_cached(REUSED_ROW, "mlx", "fix-chained-accounting")).clauses[1]
+    assert fixed.status == HOLDS
 
 
 def _toml(workload: dict) -> str:
