@@ -19,6 +19,7 @@ from contract_lib.verdict import Outcome
 
 TESTS = Path(__file__).resolve().parent
 REUSED_ROW = str(TESTS / "workloads" / "reused-row.toml")
+RETRACTION = str(TESTS / "workloads" / "retraction.toml")
 RAISE = "user_patches:raise_in_loop"
 
 
@@ -140,6 +141,15 @@ def test_an_aborted_request_is_recorded_and_exits_4(tmp_path, capsys):
     assert _check("--loop", "normal", "--workload", path) == 4
     out = capsys.readouterr().out
     assert "request long aborted by SGLang: Input length (1190 tokens)" in out
+
+
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+def test_retractions_are_recorded_and_keep_the_torch_loops_green(run_cached, loop):
+    """SGLang's own per-request counter; a retracted request frees its row and takes one
+    again, and every entry it then uses is one it wrote (no false ``stale``)."""
+    frames = run_cached(RETRACTION, loop)
+    assert frames.requests.groupby("rid")["retractions"].max().to_dict() == {"a": 0, "b": 1}
+    assert assert_contract(frames).verdict().outcome == Outcome.PASS
 
 
 def test_a_declared_abort_is_not_vacuous(tmp_path):
