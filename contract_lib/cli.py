@@ -215,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_options(run_parser)
     run_parser.set_defaults(handler=cmd_run)
     check_parser = commands.add_parser(
-        "check", help="run, then check the five clauses; exit 0 when all hold, 1 if not")
+        "check", help="run, then check the five clauses; exit 0 pass, 1 a clause violated, "
+        "2 set-up error, 3 the run did not finish, 4 vacuous (see README)")
     _add_run_options(check_parser)
     check_parser.set_defaults(handler=cmd_check)
     status_parser = commands.add_parser(
