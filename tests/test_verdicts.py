@@ -211,6 +211,13 @@ def test_a_cli_server_arg_that_changes_the_loop_is_a_setup_error(capsys, loop, v
     assert f"--server-arg disable_overlap_schedule={value}" in capsys.readouterr().out
 
 
+def test_a_loop_changed_after_the_build_is_refused_at_loop_entry(capsys):
+    assert _check("--loop", "overlap", "--workload", "single-decode",
+                  "--patch", "user_patches:overlap_off_after_build") == 2
+    out = capsys.readouterr().out
+    assert "asked for event_loop_overlap, but SGLang's dispatch entered event_loop_normal" in out
+
+
 def test_a_recorded_loop_mismatch_is_a_setup_error(run_cached):
     frames = run_cached("two-turn", "overlap")
     other = contract_lib.Frames(tables=frames.tables, meta={
