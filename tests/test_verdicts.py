@@ -211,6 +211,25 @@ def test_a_cli_server_arg_that_changes_the_loop_is_a_setup_error(capsys, loop, v
     assert f"--server-arg disable_overlap_schedule={value}" in capsys.readouterr().out
 
 
+def test_an_argument_that_turns_overlap_off_indirectly_is_named():
+    """ServerArgs' post-init hooks can set disable_overlap_schedule from another argument
+    (e.g. speculative decoding, the MPS backend): the one whose removal restores the
+    loop is named. A stand-in ServerArgs with such a hook:"""
+    from contract_lib.harness import LoopMismatch, _check_overlap_arg
+
+    class Args:
+        def __init__(self, **kwargs):
+            self.disable_overlap_schedule = (kwargs["disable_overlap_schedule"]
+                                             or kwargs.get("speculative") is not None)
+
+    given = {"speculative": "eagle", "chunked_prefill_size": 16}
+    args = {"disable_overlap_schedule": False, "max_total_tokens": 2048, **given}
+    with pytest.raises(LoopMismatch, match=r"workload \[server_args\] speculative='eagle' "
+                                           r"make\(s\) it True: SGLang would run "
+                                           r"event_loop_normal instead of event_loop_overlap_mlx"):
+        _check_overlap_arg("mlx", Args(**args), args, given, {}, Args)
+
+
 def test_a_loop_changed_after_the_build_is_refused_at_loop_entry(capsys):
     assert _check("--loop", "overlap", "--workload", "single-decode",
                   "--patch", "user_patches:overlap_off_after_build") == 2
