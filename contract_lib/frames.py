@@ -11,9 +11,15 @@ Tables (pandas DataFrames; the column lists below are the schema):
 - ``steps``: one row per step boundary.
 - ``launches``: one row per forward launch (a ``run_batch`` forward, an MLX fresh or
   chained launch), completed when ``process_batch_result`` receives that launch's batch.
-- ``requests``: per step and request that SGLang knows about.
+- ``requests``: per step and request that SGLang knows about; ``finish_reason`` is the
+  ``type`` of SGLang's ``req.finished_reason`` (``length``, ``stop``, ``abort``; None
+  while running), ``finish_message`` its message (an abort's reason), ``retractions``
+  SGLang's own ``req.retraction_count``.
 - ``slots``: per step, live request and position, the ``req_to_token`` entry over every
-  position the request has or should have (``max(kv_computed, kv_allocated_len)``).
+  position the request has or should have (``max(kv_computed, kv_allocated_len)``);
+  ``written`` is True when that entry was written into the row while this request held
+  it (by ``ReqToTokenPool.write``: the allocator's slots and its own radix-matched
+  prefix), False when it is left over from the row's previous holder or never written.
 - ``relay``: every read of ``future_map.output_tokens_buf`` by ``resolve_forward_inputs``
   and every write to it. The buffer is poisoned with -1 at construction.
 - ``outputs``: the emitted token ids per request, at the end of the run.
@@ -44,7 +50,7 @@ from typing import Any
 
 import pandas as pd
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 COLUMNS: dict[str, list[str]] = {
     "steps": [
@@ -61,9 +67,9 @@ COLUMNS: dict[str, list[str]] = {
     "requests": [
         "step", "rid", "prompt_len", "emitted", "finished", "req_pool_idx", "seq_len",
         "kv_computed", "kv_committed_len", "kv_allocated_len", "cache_protected_len",
-        "cached_tokens",
+        "cached_tokens", "finish_reason", "finish_message", "retractions",
     ],
-    "slots": ["step", "rid", "req_pool_idx", "position", "slot", "slot_free"],
+    "slots": ["step", "rid", "req_pool_idx", "position", "slot", "slot_free", "written"],
     "relay": [
         "event", "step", "launch", "loop", "kind", "row", "rid", "value",
         "last_published", "published_for_rid",
@@ -102,8 +108,11 @@ class Frames:
 
     ``meta`` holds ``workload``, ``loop``, ``patch``, ``runner`` (``model-free`` or
     ``real``), ``sglang_version``, ``status`` (one of ``STATUSES``), ``error`` (type,
-    message, traceback, signal; None when finished), ``shims`` (the shims applied) and
-    ``server_args`` (the overrides used); real-runner runs add ``kv_pool``.
+    message, traceback, signal; None when finished), ``shims`` (the shims applied),
+    ``server_args`` (the overrides used), ``expect`` (the workload's declared expected
+    outcomes), ``loop_function`` (the SGLang event-loop function the run entered) and
+    ``enable_overlap`` / ``enable_overlap_mlx`` (the scheduler's flags after
+    construction); real-runner runs add ``kv_pool``.
     """
 
     tables: dict[str, pd.DataFrame]
