@@ -14,18 +14,21 @@ clear with :func:`clear` or ``python -m contract_lib cache clear``. The cache li
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
 import json
 import os
 import platform
-import shutil
+import re
+import warnings
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from contract_lib.frames import SCHEMA_VERSION, Frames
+from contract_lib.atomic import temporary_name_pattern
+from contract_lib.frames import SCHEMA_VERSION, Frames, FramesFormatError
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # The modules whose code determines a run's frames (not the checker or presentation).
@@ -36,8 +39,12 @@ LIBRARY_FILES = sorted(
      PROJECT_ROOT / "data" / "model" / "config.json"])
 
 
+DEFAULT_DIR = PROJECT_ROOT / ".cache" / "frames"
+
+
 def cache_dir() -> Path:
-    return Path(os.environ.get("CONTRACT_LIB_CACHE_DIR", PROJECT_ROOT / ".cache" / "frames"))
+    """``$CONTRACT_LIB_CACHE_DIR`` when set and not empty, else :data:`DEFAULT_DIR`."""
+    return Path(os.environ.get("CONTRACT_LIB_CACHE_DIR") or DEFAULT_DIR)
 
 
 def enabled() -> bool:
@@ -123,31 +130,188 @@ def key(spec: dict[str, Any], sglang_dir: Path | None = None) -> str:
                     _library_fingerprint(), _patch_sources(spec.get("patch"))])
 
 
-def load(run_key: str) -> Frames | None:
-    path = cache_dir() / f"{run_key}.json"
+# -- user modules (what the key cannot know before the run) --------------------------------
+
+
+def _installed_roots() -> list[Path]:
+    """Where installed code lives: the interpreter's prefixes (stdlib, the venv's
+    site-packages), the site directories, the SGLang release folders, the SGLang the run
+    imported, and this library (whose run modules are in the key)."""
+    import site
+    import sys
+
+    from contract_lib.versions import releases_dir
+
+    roots = {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
+             *site.getsitepackages(), site.getusersitepackages(), str(releases_dir()),
+             str(Path(__file__).parent)}
+    sglang = sys.modules.get("sglang")
+    if getattr(sglang, "__file__", None):
+        roots.add(str(Path(sglang.__file__).parent.parent))
+    return [Path(os.path.realpath(root)) for root in roots if root]
+
+
+def _file_hash(path: str) -> str | None:
+    """sha256 of a file's bytes; None when it cannot be read."""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def user_modules() -> dict[str, str | None]:
+    """Called in the run's child at the end of the run: ``{file: sha256}`` of every
+    loaded module whose file lies outside the installed code (:func:`_installed_roots`),
+    i.e. a user patch and every module of the user's own that it imported. None for a
+    file that cannot be read (such a run is not cached)."""
+    import sys
+
+    roots = _installed_roots()
+    found: dict[str, str | None] = {}
+    for module in list(sys.modules.values()):
+        try:
+            spec = vars(module).get("__spec__")
+        except TypeError:  # not a module object
+            continue
+        if not getattr(spec, "has_location", False) or not isinstance(spec.origin, str):
+            continue  # built-in, frozen, namespace or made up: no file of its own
+        path = Path(os.path.realpath(spec.origin))
+        if not any(path.is_relative_to(root) for root in roots):
+            found[str(path)] = _file_hash(str(path))
+    return dict(sorted(found.items()))
+
+
+# -- entries ----------------------------------------------------------------------------------
+
+
+class CacheWarning(UserWarning):
+    """A cache entry was discarded, or a run could not be stored (the run is unaffected)."""
+
+
+class CacheDirError(ValueError):
+    """``cache clear`` on a directory the frame cache did not create."""
+
+
+MARKER = ".contract_lib-frame-cache"
+_ENTRY = r"[0-9a-f]{64}\.json"
+_OWN_NAME = re.compile(rf"{_ENTRY}|{temporary_name_pattern(_ENTRY)}")
+# The spec entries of ``meta`` an entry must match (what :func:`contract_lib.run` asked for).
+SPEC_META = ("workload", "loop", "patch", "runner", "sglang_version", "server_args")
+_warned: set[str] = set()
+
+
+def _warn(message: str, once: str | None = None) -> None:
+    """A one-line :class:`CacheWarning`; with ``once``, only the first time per process."""
+    if once is not None:
+        if once in _warned:
+            return
+        _warned.add(once)
+    warnings.warn(message, CacheWarning, stacklevel=3)
+
+
+def _entry_path(run_key: str) -> Path:
+    return cache_dir() / f"{run_key}.json"
+
+
+def _mismatch(meta: dict[str, Any], run_key: str, expected: dict[str, Any]) -> str | None:
+    """Why an entry's meta does not belong to this run (None: it does)."""
+    wanted = json.loads(json.dumps({name: expected.get(name) for name in SPEC_META},
+                                   default=str))
+    for name, value in wanted.items():
+        if meta.get(name) != value:
+            return f"its {name} is {meta.get(name)!r}, the run asks for {value!r}"
+    if meta["status"] != "finished":
+        return f"its run is {meta['status']}, only finished runs are cached"
+    if meta.get("cache_key") != run_key:
+        return "it was stored under another key"
+    modules = meta.get("user_modules")
+    if not isinstance(modules, dict) or not all(
+            isinstance(p, str) and isinstance(h, str) for p, h in modules.items()):
+        return "it has no valid user_modules record"
+    return None
+
+
+def _discard(path: Path, reason: str) -> None:
+    _warn(f"frame cache: discarded {path} ({reason}); running again")
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
+def load(run_key: str, expected: dict[str, Any]) -> Frames | None:
+    """The cached frames of ``run_key``, or None. ``expected``: the run's meta before it
+    runs (workload, loop, patch, runner, sglang_version, server_args). An entry that is
+    unreadable, of another schema or shape, or whose meta does not match ``expected`` is
+    deleted with a :class:`CacheWarning`; one whose user modules changed since it was
+    stored is a plain miss (the new run replaces it)."""
+    path = _entry_path(run_key)
     if not path.exists():
         return None
     try:
         frames = Frames.load(path)
-    except ValueError:
+    except FramesFormatError as exc:
+        _discard(path, str(exc).removeprefix(f"{path}: "))
         return None
+    problem = _mismatch(frames.meta, run_key, expected)
+    if problem is not None:
+        _discard(path, problem)
+        return None
+    if any(_file_hash(p) != h for p, h in frames.meta["user_modules"].items()):
+        return None
+    del frames.meta["cache_key"]
     frames.meta["cached"] = True
     return frames
 
 
 def store(run_key: str, frames: Frames) -> None:
+    """Store a finished run (best effort: a failure is one :class:`CacheWarning` per
+    directory and process, and the run is unaffected). Runs that loaded a user module
+    whose file could not be read are not stored (they cannot be keyed)."""
     if frames.status != "finished":
         return
+    modules = frames.meta.get("user_modules")
+    if not isinstance(modules, dict) or None in modules.values():
+        unreadable = [p for p, h in (modules or {}).items() if h is None]
+        _warn(f"frame cache: not storing the run: it loaded modules whose source cannot "
+              f"be read ({', '.join(unreadable) or 'no module record'})",
+              once=f"unkeyable {unreadable}")
+        return
     directory = cache_dir()
+    try:
+        _claim(directory)
+        Frames(tables=frames.tables, meta={**frames.meta, "cache_key": run_key}).save(
+            directory / f"{run_key}.json")
+    except (OSError, TypeError, ValueError) as exc:
+        _warn(f"frame cache: could not store runs in {directory} ({exc}); they will run "
+              "again next time", once=f"store {directory}")
+
+
+def _claim(directory: Path) -> None:
+    """Create the cache directory and mark it as the cache's own, only when the cache
+    creates it, finds it empty, or it is the default one in the project checkout (a
+    directory of the user's keeps no marker, so :func:`clear` leaves it alone)."""
+    marker = directory / MARKER
+    if marker.exists():
+        return
     directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f".{run_key}.{os.getpid()}.tmp"
-    frames.save(tmp)
-    tmp.replace(directory / f"{run_key}.json")
+    if directory.resolve() == DEFAULT_DIR.resolve() or not any(directory.iterdir()):
+        marker.write_text("contract_lib frame cache: `python -m contract_lib cache clear` "
+                          "deletes the <sha256>.json entries in this directory\n")
 
 
 def clear() -> int:
-    """Delete every cached run; returns how many there were."""
+    """Delete every cached run (and temporaries the cache left); returns how many runs
+    there were. Deletes only the cache's own file names, and only in a directory that
+    carries the cache's marker; raises :class:`CacheDirError` for any other directory."""
     directory = cache_dir()
-    count = len(list(directory.glob("*.json"))) if directory.exists() else 0
-    shutil.rmtree(directory, ignore_errors=True)
+    if not directory.exists():
+        return 0
+    if not (directory / MARKER).is_file():
+        raise CacheDirError(
+            f"{directory} is not a frame cache directory (no {MARKER} file): nothing "
+            "removed; delete its <sha256>.json files yourself if they are cache entries")
+    count = 0
+    for path in directory.iterdir():
+        if _OWN_NAME.fullmatch(path.name) and path.is_file():
+            path.unlink(missing_ok=True)
+            count += not path.name.startswith(".")
     return count
