@@ -7,9 +7,20 @@ and mtime of every file of the package, so an edited install is a different key)
 versions of torch, mlx, mlx-lm and Python, this library's own source and data files, and
 the source of any user patch module. Only ``finished`` runs are stored; faults always rerun.
 
+What the key cannot know in advance, the entry records: the file and sha256 of every
+module the run loaded from outside the installed code (a user patch and the helper
+modules it imports; reported by the run's child, :func:`user_modules`). An entry is
+served only while those files are unchanged, and only if it is a frames file of this
+schema whose meta matches the run asked for; anything else is deleted with a one-line
+:class:`CacheWarning` and the run executes again. Storing is best effort: an unwritable
+or full directory costs one warning, never the run. Entries are written atomically.
+
 Bypass with ``run(..., cache=False)``, ``--no-cache`` or ``CONTRACT_LIB_NO_CACHE=1``;
 clear with :func:`clear` or ``python -m contract_lib cache clear``. The cache lives in
-``$CONTRACT_LIB_CACHE_DIR``, else ``.cache/frames`` in the project checkout.
+``$CONTRACT_LIB_CACHE_DIR`` (when set and not empty), else ``.cache/frames`` in the project
+checkout. A directory the cache creates (or finds empty) gets a marker file; :func:`clear`
+only touches a marked directory, and there only the ``<sha256>.json`` entries and their
+temporaries.
 """
 
 from __future__ import annotations
@@ -37,8 +48,6 @@ _RUN_MODULES = ("cache", "capture", "effects", "frames", "harness", "kvpool", "p
 LIBRARY_FILES = sorted(
     [*(Path(__file__).parent / f"{name}.py" for name in _RUN_MODULES),
      PROJECT_ROOT / "data" / "model" / "config.json"])
-
-
 DEFAULT_DIR = PROJECT_ROOT / ".cache" / "frames"
 
 
@@ -133,10 +142,11 @@ def key(spec: dict[str, Any], sglang_dir: Path | None = None) -> str:
 # -- user modules (what the key cannot know before the run) --------------------------------
 
 
-def _installed_roots() -> list[Path]:
-    """Where installed code lives: the interpreter's prefixes (stdlib, the venv's
-    site-packages), the site directories, the SGLang release folders, the SGLang the run
-    imported, and this library (whose run modules are in the key)."""
+def _installed_roots() -> tuple[str, ...]:
+    """Where installed code lives (absolute and real paths, each ending in a separator): the
+    interpreter's prefixes (stdlib, the venv's site-packages), the site directories, the
+    SGLang release folders, the SGLang the run imported, and this library (whose run
+    modules are in the key)."""
     import site
     import sys
 
@@ -148,7 +158,8 @@ def _installed_roots() -> list[Path]:
     sglang = sys.modules.get("sglang")
     if getattr(sglang, "__file__", None):
         roots.add(str(Path(sglang.__file__).parent.parent))
-    return [Path(os.path.realpath(root)) for root in roots if root]
+    return tuple({os.path.join(resolve(root), "")
+                  for root in roots if root for resolve in (os.path.abspath, os.path.realpath)})
 
 
 def _file_hash(path: str) -> str | None:
@@ -175,9 +186,11 @@ def user_modules() -> dict[str, str | None]:
             continue
         if not getattr(spec, "has_location", False) or not isinstance(spec.origin, str):
             continue  # built-in, frozen, namespace or made up: no file of its own
-        path = Path(os.path.realpath(spec.origin))
-        if not any(path.is_relative_to(root) for root in roots):
-            found[str(path)] = _file_hash(str(path))
+        if spec.origin.startswith(roots):  # the common case, ~6000 modules: no stat
+            continue
+        path = os.path.realpath(spec.origin)
+        if not path.startswith(roots):
+            found[path] = _file_hash(path)
     return dict(sorted(found.items()))
 
 
