@@ -214,12 +214,13 @@ _warned: set[str] = set()
 
 
 def _warn(message: str, once: str | None = None) -> None:
-    """A one-line :class:`CacheWarning`; with ``once``, only the first time per process."""
+    """A one-line :class:`CacheWarning` (attributed to this module, not to a source line,
+    so it prints as one line); with ``once``, only the first time per process."""
     if once is not None:
         if once in _warned:
             return
         _warned.add(once)
-    warnings.warn(message, CacheWarning, stacklevel=3)
+    warnings.warn_explicit(message, CacheWarning, filename=__name__, lineno=0)
 
 
 def _entry_path(run_key: str) -> Path:
