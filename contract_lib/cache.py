@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from contract_lib.atomic import temporary_name_pattern
-from contract_lib.frames import SCHEMA_VERSION, Frames, FramesFormatError
+from contract_lib.frames import (SCHEMA_VERSION, Frames, FramesFormatError, read_payload,
+                                 write_payload)
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # The modules whose code determines a run's frames (not the checker or presentation).
@@ -251,27 +252,37 @@ def _discard(path: Path, reason: str) -> None:
         path.unlink()
 
 
+def _tables_digest(tables: dict[str, Any]) -> str:
+    """sha256 of a payload's tables (JSON-native, so the same before and after a save)."""
+    return hashlib.sha256(json.dumps(tables, sort_keys=True).encode()).hexdigest()
+
+
 def load(run_key: str, expected: dict[str, Any]) -> Frames | None:
     """The cached frames of ``run_key``, or None. ``expected``: the run's meta before it
     runs (workload, loop, patch, runner, sglang_version, server_args). An entry that is
-    unreadable, of another schema or shape, or whose meta does not match ``expected`` is
-    deleted with a :class:`CacheWarning`; one whose user modules changed since it was
-    stored is a plain miss (the new run replaces it)."""
+    unreadable, of another schema or shape, edited since it was stored, or whose meta does
+    not match ``expected`` is deleted with a :class:`CacheWarning`; one whose user modules
+    changed since it was stored is a plain miss (the new run replaces it)."""
     path = _entry_path(run_key)
     if not path.exists():
         return None
     try:
-        frames = Frames.load(path)
+        payload = read_payload(path)
     except FramesFormatError as exc:
         _discard(path, str(exc).removeprefix(f"{path}: "))
         return None
-    problem = _mismatch(frames.meta, run_key, expected)
+    meta = payload["meta"]
+    problem = _mismatch(meta, run_key, expected)
+    if problem is None and meta.get("tables_sha256") != _tables_digest(payload["tables"]):
+        problem = "its tables changed after it was stored"
     if problem is not None:
         _discard(path, problem)
         return None
-    if any(_file_hash(p) != h for p, h in frames.meta["user_modules"].items()):
+    if any(_file_hash(p) != h for p, h in meta["user_modules"].items()):
         return None
-    del frames.meta["cache_key"]
+    frames = Frames.from_payload(payload)
+    for name in ("cache_key", "tables_sha256"):
+        del frames.meta[name]
     frames.meta["cached"] = True
     return frames
 
@@ -291,9 +302,11 @@ def store(run_key: str, frames: Frames) -> None:
         return
     directory = cache_dir()
     try:
+        payload = frames.to_payload()
+        payload["meta"] = {**payload["meta"], "cache_key": run_key,
+                           "tables_sha256": _tables_digest(payload["tables"])}
         _claim(directory)
-        Frames(tables=frames.tables, meta={**frames.meta, "cache_key": run_key}).save(
-            directory / f"{run_key}.json")
+        write_payload(directory / f"{run_key}.json", payload)
     except (OSError, TypeError, ValueError) as exc:
         _warn(f"frame cache: could not store runs in {directory} ({exc}); they will run "
               "again next time", once=f"store {directory}")

@@ -148,12 +148,11 @@ class Frames:
             for name, table in self.tables.items()
         }
 
-    def save(self, path: str | Path) -> Path:
-        """Write one JSON file: ``{"schema_version", "meta", "tables": {name: {columns,
-        data}}}`` (pandas "split" orientation without the index). Atomic: a failed or
-        interrupted save leaves the previous file as it was."""
-        path = Path(path)
-        payload = {
+    def to_payload(self) -> dict[str, Any]:
+        """The JSON-native content of a frames file: ``{"schema_version", "meta",
+        "tables": {name: {columns, data}}}`` (pandas "split" orientation without the
+        index)."""
+        return {
             "schema_version": SCHEMA_VERSION,
             "meta": self.meta,
             "tables": {
@@ -161,37 +160,26 @@ class Frames:
                 for name, table in self.tables.items()
             },
         }
-        with atomic_write(path) as handle:
-            handle.write(json.dumps(payload, indent=1, sort_keys=False) + "\n")
-        return path
+
+    def save(self, path: str | Path) -> Path:
+        """Write one JSON file (:meth:`to_payload`). Atomic: a failed or interrupted save
+        leaves the previous file as it was."""
+        return write_payload(path, self.to_payload())
 
     @classmethod
-    def load(cls, path: str | Path) -> "Frames":
-        """Read a file written by :meth:`save`. Anything else (unreadable, not JSON,
-        another schema version, missing or extra tables or columns, meta of the wrong
-        shape) raises :class:`FramesFormatError` naming the file and the problem."""
-        path = Path(path)
-        try:
-            payload = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError, RecursionError) as exc:  # ValueError: JSON, UTF-8
-            raise FramesFormatError(f"{path}: not a frames file ({exc})") from exc
-        if not isinstance(payload, dict):
-            raise FramesFormatError(f"{path}: not a frames file (a JSON "
-                                    f"{type(payload).__name__}, not an object)")
-        version = payload.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise FramesFormatError(
-                f"{path}: frames schema version {version!r}, this contract_lib reads "
-                f"version {SCHEMA_VERSION}; re-record the run with this version")
-        problem = _meta_problem(payload.get("meta")) or _tables_problem(payload.get("tables"))
-        if problem:
-            raise FramesFormatError(f"{path}: not a frames file of schema version "
-                                    f"{SCHEMA_VERSION}: {problem}")
+    def from_payload(cls, payload: dict[str, Any]) -> "Frames":
+        """Frames from a payload :func:`read_payload` accepted."""
         tables = {
             name: pd.DataFrame(payload["tables"][name]["data"], columns=columns)
             for name, columns in COLUMNS.items()
         }
         return cls(tables=tables, meta=payload["meta"])
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Frames":
+        """Read a file written by :meth:`save`; anything else raises
+        :class:`FramesFormatError` (see :func:`read_payload`)."""
+        return cls.from_payload(read_payload(path))
 
     @classmethod
     def from_rows(cls, rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> "Frames":
@@ -201,6 +189,39 @@ class Frames:
             for name, columns in COLUMNS.items()
         }
         return cls(tables=tables, meta=meta)
+
+
+def write_payload(path: str | Path, payload: dict[str, Any]) -> Path:
+    """Write a frames payload as JSON, atomically (:func:`contract_lib.atomic.atomic_write`)."""
+    path = Path(path)
+    with atomic_write(path) as handle:
+        handle.write(json.dumps(payload, indent=1, sort_keys=False) + "\n")
+    return path
+
+
+def read_payload(path: str | Path) -> dict[str, Any]:
+    """The payload of a frames file, checked against this schema. Anything else
+    (unreadable, not JSON, another schema version, missing or extra tables or columns,
+    rows of the wrong length, meta of the wrong shape) raises :class:`FramesFormatError`
+    naming the file and the problem."""
+    path = Path(path)
+    try:
+        payload = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: JSON, UTF-8
+        raise FramesFormatError(f"{path}: not a frames file ({exc})") from exc
+    if not isinstance(payload, dict):
+        raise FramesFormatError(f"{path}: not a frames file (a JSON "
+                                f"{type(payload).__name__}, not an object)")
+    version = payload.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise FramesFormatError(
+            f"{path}: frames schema version {version!r}, this contract_lib reads "
+            f"version {SCHEMA_VERSION}; re-record the run with this version")
+    problem = _meta_problem(payload.get("meta")) or _tables_problem(payload.get("tables"))
+    if problem:
+        raise FramesFormatError(f"{path}: not a frames file of schema version "
+                                f"{SCHEMA_VERSION}: {problem}")
+    return payload
 
 
 def _meta_problem(meta: Any) -> str | None:

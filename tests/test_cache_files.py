@@ -17,14 +17,8 @@ import pytest
 import contract_lib
 from contract_lib import cache
 from contract_lib.cli import main
+from contract_lib.contract import check
 from contract_lib.frames import COLUMNS, SCHEMA_VERSION, Frames, FramesFormatError
-
-
-@pytest.fixture()
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("CONTRACT_LIB_CACHE_DIR", str(tmp_path / "frames"))
-    monkeypatch.delenv("CONTRACT_LIB_NO_CACHE", raising=False)
-    return tmp_path / "frames"
 
 
 def _entries(directory: Path) -> list[Path]:
@@ -157,6 +151,20 @@ def test_a_poisoned_entry_of_another_loop_is_discarded(private_cache):
     assert frames.loop == "mlx" and "cached" not in frames.meta
     assert normal.loop == "normal"
     assert contract_lib.run("single-decode", "mlx").meta.get("cached") is True
+
+
+def test_an_entry_edited_after_it_was_stored_is_discarded(private_cache):
+    """Well-shaped but changed contents (a cell of the wrong type here) would make every
+    check raise; the entry's tables digest catches any change."""
+    contract_lib.run("single-decode", "normal")
+    (entry,) = _entries(private_cache)
+    payload = json.loads(entry.read_text())
+    payload["tables"]["steps"]["data"][0][0] = "zero"
+    entry.write_text(json.dumps(payload))
+    with pytest.warns(cache.CacheWarning, match="tables changed"):
+        frames = contract_lib.run("single-decode", "normal")
+    assert "cached" not in frames.meta and frames.steps.step.iloc[0] == 0
+    assert check(contract_lib.run("single-decode", "normal")).ok
 
 
 MALFORMED = {
