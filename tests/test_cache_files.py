@@ -339,6 +339,19 @@ def test_clear_refuses_a_directory_without_the_marker(tmp_path, monkeypatch, cap
     assert (users / "data.csv").read_text() == "1,2\n"
 
 
+def test_clear_empties_the_default_directory_of_an_older_version(tmp_path, monkeypatch):
+    """The default directory (in the project checkout) is the cache's own even without a
+    marker (older versions wrote none); still only its entries go."""
+    default = tmp_path / "default-cache"
+    default.mkdir()
+    (default / ("f" * 64 + ".json")).write_text("{}\n")
+    (default / "README").write_text("mine\n")
+    monkeypatch.setattr(cache, "DEFAULT_DIR", default)
+    monkeypatch.delenv("CONTRACT_LIB_CACHE_DIR", raising=False)
+    assert cache.clear() == 1
+    assert [p.name for p in default.iterdir()] == ["README"]
+
+
 # -- 5. atomic writes -------------------------------------------------------------------------
 
 
