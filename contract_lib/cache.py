@@ -146,16 +146,14 @@ def key(spec: dict[str, Any], sglang_dir: Path | None = None) -> str:
 def _installed_roots() -> tuple[str, ...]:
     """Where installed code lives (absolute and real paths, each ending in a separator): the
     interpreter's prefixes (stdlib, the venv's site-packages), the site directories, the
-    SGLang release folders, the SGLang the run imported, and this library (whose run
-    modules are in the key)."""
+    SGLang release folders and the SGLang the run imported."""
     import site
     import sys
 
     from contract_lib.versions import releases_dir
 
     roots = {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
-             *site.getsitepackages(), site.getusersitepackages(), str(releases_dir()),
-             str(Path(__file__).parent)}
+             *site.getsitepackages(), site.getusersitepackages(), str(releases_dir())}
     sglang = sys.modules.get("sglang")
     if getattr(sglang, "__file__", None):
         roots.add(str(Path(sglang.__file__).parent.parent))
@@ -173,12 +171,14 @@ def _file_hash(path: str) -> str | None:
 
 def user_modules() -> dict[str, str | None]:
     """Called in the run's child at the end of the run: ``{file: sha256}`` of every
-    loaded module whose file lies outside the installed code (:func:`_installed_roots`),
-    i.e. a user patch and every module of the user's own that it imported. None for a
-    file that cannot be read (such a run is not cached)."""
+    loaded module whose file lies outside the installed code (:func:`_installed_roots`)
+    and is not one of this library's run modules (those are in the key): a user patch,
+    every module of the user's own that it imported, and any other module of this
+    checkout. None for a file that cannot be read (such a run is not cached)."""
     import sys
 
     roots = _installed_roots()
+    keyed = {os.path.realpath(path) for path in LIBRARY_FILES}
     found: dict[str, str | None] = {}
     for module in list(sys.modules.values()):
         try:
@@ -190,7 +190,7 @@ def user_modules() -> dict[str, str | None]:
         if spec.origin.startswith(roots):  # the common case, ~6000 modules: no stat
             continue
         path = os.path.realpath(spec.origin)
-        if not path.startswith(roots):
+        if not path.startswith(roots) and path not in keyed:
             found[path] = _file_hash(path)
     return dict(sorted(found.items()))
 

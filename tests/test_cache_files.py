@@ -133,8 +133,9 @@ def test_user_modules_lists_only_files_outside_the_installed_code(tmp_path, monk
 
     found = cache.user_modules()
     assert str((tmp_path / "cf_user_module.py").resolve()) in found
-    roots = ("site-packages", "/contract_lib/", "/lib/python3")
-    assert not [path for path in found if any(root in path for root in roots)]
+    assert not [path for path in found if "site-packages" in path or "/lib/python3" in path]
+    assert not set(found) & {str(path.resolve()) for path in cache.LIBRARY_FILES}
+    assert str(Path(contract_lib.__file__).resolve()) in found  # not a run module
 
 
 # -- 2. trusted contents: poisoned and malformed entries --------------------------------------
