@@ -18,9 +18,9 @@ or full directory costs one warning, never the run. Entries are written atomical
 Bypass with ``run(..., cache=False)``, ``--no-cache`` or ``CONTRACT_LIB_NO_CACHE=1``;
 clear with :func:`clear` or ``python -m contract_lib cache clear``. The cache lives in
 ``$CONTRACT_LIB_CACHE_DIR`` (when set and not empty), else ``.cache/frames`` in the project
-checkout. A directory the cache creates (or finds empty) gets a marker file; :func:`clear`
-only touches a marked directory, and there only the ``<sha256>.json`` entries and their
-temporaries.
+checkout. A directory the cache creates or finds empty (and the default one) gets a marker
+file; :func:`clear` only touches a marked directory, and there only the ``<sha256>.json``
+entries and their temporaries.
 """
 
 from __future__ import annotations
@@ -312,6 +312,10 @@ def store(run_key: str, frames: Frames) -> None:
               "again next time", once=f"store {directory}")
 
 
+def _is_default(directory: Path) -> bool:
+    return directory.resolve() == DEFAULT_DIR.resolve()
+
+
 def _claim(directory: Path) -> None:
     """Create the cache directory and mark it as the cache's own, only when the cache
     creates it, finds it empty, or it is the default one in the project checkout (a
@@ -320,7 +324,7 @@ def _claim(directory: Path) -> None:
     if marker.exists():
         return
     directory.mkdir(parents=True, exist_ok=True)
-    if directory.resolve() == DEFAULT_DIR.resolve() or not any(directory.iterdir()):
+    if _is_default(directory) or not any(directory.iterdir()):
         marker.write_text("contract_lib frame cache: `python -m contract_lib cache clear` "
                           "deletes the <sha256>.json entries in this directory\n")
 
@@ -328,17 +332,17 @@ def _claim(directory: Path) -> None:
 def clear() -> int:
     """Delete every cached run (and temporaries the cache left); returns how many runs
     there were. Deletes only the cache's own file names, and only in a directory that
-    carries the cache's marker; raises :class:`CacheDirError` for any other directory."""
+    carries the cache's marker (or is the default one); raises :class:`CacheDirError` for
+    any other directory."""
     directory = cache_dir()
     if not directory.exists():
         return 0
-    if not (directory / MARKER).is_file():
+    if not (directory / MARKER).is_file() and not _is_default(directory):
         raise CacheDirError(
             f"{directory} is not a frame cache directory (no {MARKER} file): nothing "
             "removed; delete its <sha256>.json files yourself if they are cache entries")
-    count = 0
-    for path in directory.iterdir():
-        if _OWN_NAME.fullmatch(path.name) and path.is_file():
-            path.unlink(missing_ok=True)
-            count += not path.name.startswith(".")
-    return count
+    own = [path for path in directory.iterdir()
+           if _OWN_NAME.fullmatch(path.name) and path.is_file()]
+    for path in own:
+        path.unlink(missing_ok=True)
+    return sum(not path.name.startswith(".") for path in own)  # temporaries are not runs
