@@ -198,7 +198,12 @@ def cmd_cache(args) -> int:
     from contract_lib import cache
 
     if args.action == "clear":
-        print(f"removed {cache.clear()} cached runs from {cache.cache_dir()}")
+        try:
+            removed = cache.clear()
+        except cache.CacheDirError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"removed {removed} cached runs from {cache.cache_dir()}")
     else:
         print(cache.cache_dir())
     return 0

@@ -142,7 +142,7 @@ def run(
     use_cache = cache and capture and frame_cache.enabled()
     if use_cache:
         run_key = frame_cache.key(spec, sglang_dir)
-        hit = frame_cache.load(run_key)
+        hit = frame_cache.load(run_key, meta)
         if hit is not None:
             return hit
     child_spec = {**spec, "sglang_dir": None if sglang_dir is None else str(sglang_dir)}
@@ -348,6 +348,7 @@ def child_run(spec: dict[str, Any], conn: Connection) -> None:
             if status == "finished":
                 status, error = "crashed", _error(str(exc), exc, "kv-pool-inspection")
     timing["total_s"] = time.perf_counter() - started
+    emit(("meta", {"user_modules": frame_cache.user_modules()}))  # the cache verifies them
     emit(("meta", {"timing": timing}))
     emit(("end", status, error))
     conn.close()

@@ -22,6 +22,7 @@ from typing import Any
 
 import pandas as pd
 
+from contract_lib.atomic import atomic_write
 from contract_lib.contract import Report, check
 from contract_lib.frames import Frames
 
@@ -171,8 +172,10 @@ def build_trace(runs: list[Frames], *, wall_clock: bool = False) -> dict[str, An
 
 
 def write_trace(runs: list[Frames], path: str | Path, *, wall_clock: bool = False) -> Path:
+    """Write the trace of ``runs`` to ``path`` (atomically: a failed write leaves the
+    previous file)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(build_trace(runs, wall_clock=wall_clock), indent=None,
-                               separators=(",", ":"), default=str) + "\n")
+    with atomic_write(path) as handle:
+        handle.write(json.dumps(build_trace(runs, wall_clock=wall_clock), indent=None,
+                                separators=(",", ":"), default=str) + "\n")
     return path
