@@ -12,7 +12,7 @@ import pandas as pd
 
 from contract_lib.contract import (CLAUSES, HOLDS, MASKED, NOT_EXERCISED, VIOLATED, Report,
                                    check)
-from contract_lib.harness import LOOPS, run_many
+from contract_lib.harness import LOOPS, frames_or_raise, run_many
 from contract_lib.patches import PatchArg, patch_spec
 from contract_lib.workloads import workload_names
 
@@ -180,6 +180,7 @@ def releases_status(versions: list[str | None], workloads: list[str] | None = No
     frames = run_many([{"workload": w, "loop": loop, "patch": spec, "cache": cache,
                         "warm": warm, "runner": runner, "sglang": v}
                        for v, w, loop in keys], progress=progress)
+    frames = frames_or_raise(frames)  # e.g. a bad server arg: the table needs every run
     statuses = []
     for version in resolved:
         runs = [((w, loop), f) for (v, w, loop), f in zip(keys, frames) if v == version]
