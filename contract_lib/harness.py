@@ -190,8 +190,8 @@ def run(
         child_spec["model_dir"] = str(model_dir)
     frames = _execute(child_spec, meta, hang_timeout, warm, sglang_dir, cancel)
     if frames.status == "interrupted":
-        raise RunInterrupted(f"{run_title(meta)} stopped after {meta['steps']} steps, its "
-                             "child killed", frames=frames)
+        raise RunInterrupted(f"{run_title(meta)} stopped after {meta['steps']} steps",
+                             frames=frames)
     if use_cache:
         frame_cache.store(run_key, frames)
     return frames

@@ -1,7 +1,7 @@
 """Server args checked against the field types of SGLang's own ``ServerArgs``.
 
-``ServerArgs`` builds from any values (a dataclass in older releases, a msgspec struct
-in 0.5.23; neither checks types), so ``max_running_requests = "eight"`` would fail deep
+``ServerArgs`` builds from any values (a msgspec struct in the supported releases, a
+dataclass before; neither checks types), so ``max_running_requests = "eight"`` would fail deep
 inside a run, or not at all. :func:`accepted_kinds` reads the field types where SGLang is
 imported (a fork server, a cold child); :func:`problems` checks values against them
 anywhere, so the parent refuses a bad argument before any run child starts.

@@ -9,6 +9,7 @@ it started is gone within 10 s and no temporary file is left.
 from __future__ import annotations
 
 import _thread
+import dataclasses
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Annotated, List, Literal, Optional
 
 import psutil
 import pytest
@@ -356,6 +358,34 @@ def test_a_wrong_typed_server_arg_names_the_argument_and_the_type(monkeypatch):
         contract_lib.run("single-decode", "normal", cache=False,
                          server_args={"no_such_arg": 1})
     assert started == [], "a run child was started for a bad server arg"
+
+
+@dataclasses.dataclass
+class _Args:
+    """A ServerArgs-like dataclass (annotations resolved from this module's names)."""
+
+    count: Annotated[Optional[int], "help"] = None
+    ratio: float = 0.5
+    flag: bool = False
+    mode: Literal["a", "b"] = "a"
+    ids: List[int] | None = None
+    anything: object = None
+
+
+def test_server_arg_kinds_follow_the_field_annotations():
+    from contract_lib.serverargs import accepted_kinds, problems
+
+    kinds = accepted_kinds(_Args)
+    assert kinds == {"count": ("int", "None"), "ratio": ("float",), "flag": ("bool",),
+                     "mode": ("str",), "ids": ("list", "None"), "anything": None}
+    assert problems({"count": 3, "ratio": 1, "flag": True, "mode": "b", "ids": [1],
+                     "anything": {}}, kinds) == []
+    assert problems({"count": True, "ratio": "0.5", "flag": 1, "cuont": 2}, kinds) == [
+        "server arg count wants int or None, got True (bool)",
+        "server arg ratio wants float, got '0.5' (str)",
+        "server arg flag wants bool, got 1 (int)",
+        "unknown server arg 'cuont' (not a field of SGLang's ServerArgs); did you mean "
+        "'count'?"]
 
 
 def test_a_wrong_typed_server_arg_on_the_command_line_exits_2():
