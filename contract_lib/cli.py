@@ -6,9 +6,7 @@ several times to print the releases' clause tables side by side.
 
 Exit codes: 0 success (``check``: every clause holds), 1 a clause is violated or the run
 did not finish, 2 a usage or set-up error (unknown name, unsupported SGLang, bad patch,
-a release that could not be installed, a bad workload file or server arg), 130
-interrupted (Ctrl-C: queued runs are cancelled, children killed, one line on stderr;
-``run``/``check`` still write the frames captured so far, status ``interrupted``).
+a release that could not be installed).
 """
 
 from __future__ import annotations
@@ -253,6 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; a usage error is one ``error:`` line on stderr and exit 2. Ctrl-C
+    is one ``interrupted:`` line and exit 130: queued runs are cancelled and children
+    killed; ``run``/``check`` first write the frames captured so far (status
+    ``interrupted``)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

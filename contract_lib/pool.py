@@ -97,7 +97,8 @@ class ForkServer:
     def __init__(self, sglang_dir=None) -> None:
         self.sglang_dir = sglang_dir
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        lifeline, self.lifeline = os.pipe()  # only this process holds the write end
+        lifeline, write_end = os.pipe()  # only this process holds the write end
+        self.lifeline: int | None = write_end
         env = child_env(sglang_dir)
         try:
             self.process = subprocess.Popen(
@@ -139,9 +140,12 @@ class ForkServer:
         return _recv(self.sock)
 
     def close(self) -> None:
+        """Close the socket and the lifeline (the server exits) and make sure it is gone."""
         try:
             self.sock.close()
-            os.close(self.lifeline)
+            if self.lifeline is not None:
+                os.close(self.lifeline)
+                self.lifeline = None
         finally:
             if self.alive():
                 self.process.kill()
