@@ -215,6 +215,22 @@ def test_keyboard_interrupt_in_the_parent_kills_the_run_child():
     assert _wait_until(lambda: not any(map(_alive, runs)), 5)
 
 
+def test_an_error_in_the_parent_while_collecting_kills_the_run_child(monkeypatch):
+    from contract_lib import harness
+
+    runs: list[int] = []
+
+    def broken_slot_rows(per_request):
+        runs.extend(p.pid for p in _run_children(os.getpid()))
+        raise RuntimeError("a bug in the parent")
+
+    monkeypatch.setattr(harness, "_slot_rows", broken_slot_rows)
+    with pytest.raises(RuntimeError, match="a bug in the parent"):
+        contract_lib.run("two-turn", "normal", patch=HANG, cache=False)
+    assert runs
+    assert _wait_until(lambda: not any(map(_alive, runs)), 5)
+
+
 # -- 2. a killed parent ----------------------------------------------------------------------
 
 
