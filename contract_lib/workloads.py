@@ -97,6 +97,8 @@ class Workload:
         """Reject what SGLang would misread: counts that are not integers (``1.5``,
         ``"3"`` and ``true`` included), negative arrivals, reserved token ids, bad turns."""
         _require_int(self.max_steps, "max_steps", source, minimum=1)
+        if not self.requests:
+            raise WorkloadError(f"{source}: no requests")
         rids = [r.rid for r in self.requests]
         if len(set(rids)) != len(rids):
             raise WorkloadError(f"{source}: duplicate request ids in {rids}")

@@ -291,9 +291,13 @@ def test_non_integer_or_negative_counts_are_rejected(field, value):
     assert "\n" not in str(caught.value)
 
 
-def test_max_steps_must_be_an_integer():
+def test_max_steps_must_be_an_integer_and_requests_are_needed():
     with pytest.raises(contract_lib.WorkloadError, match="max_steps"):
         Workload.from_dict({**_workload(), "max_steps": "120"})
+    with pytest.raises(contract_lib.WorkloadError, match="no requests"):
+        Workload.from_dict({"name": "w", "requests": []})
+    with pytest.raises(contract_lib.WorkloadError, match="missing field 'max_new_tokens'"):
+        Workload.from_dict(_workload(max_new_tokens=None))
 
 
 def _model_vocab() -> int:
