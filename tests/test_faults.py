@@ -71,16 +71,16 @@ def _run_children(root: int) -> list[psutil.Process]:
 
 
 def _hung(process: psutil.Process) -> bool:
-    """The process has used no CPU for a second (it sits in the injected sleep)."""
+    """The process has used (almost) no CPU for a second: it sits in the injected sleep."""
     try:
         before = sum(process.cpu_times()[:2])
         time.sleep(1.0)
-        return sum(process.cpu_times()[:2]) == before
+        return sum(process.cpu_times()[:2]) - before < 0.02
     except psutil.NoSuchProcess:
         return False
 
 
-def _wait_for_hung_runs(root: int, count: int = 1, timeout: float = 120) -> list[int]:
+def _wait_for_hung_runs(root: int, count: int = 1, timeout: float = 180) -> list[int]:
     def hung_runs():
         runs = [p for p in _run_children(root) if _hung(p)]
         return runs if len(runs) >= count else None
@@ -168,7 +168,7 @@ def test_ctrl_c_during_run_stops_it_and_keeps_the_frames(cli, tmp_path, to_group
 def test_ctrl_c_during_status_cancels_queued_runs_and_exits_130(cli):
     process = cli("status", "--patch", HANG)
     workers = os.cpu_count() or 1
-    _wait_for_hung_runs(process.pid, count=min(workers, 2))
+    _wait_for_hung_runs(process.pid)  # others may still be starting: they are stopped too
     cli.seen.update(_all_descendants(process.pid))
     started = time.monotonic()
     os.kill(process.pid, signal.SIGINT)
@@ -187,9 +187,11 @@ def test_ctrl_c_during_status_cancels_queued_runs_and_exits_130(cli):
     assert time.monotonic() - started < 10
     assert "Traceback" not in stderr
     last = stderr.replace("\r", "\n").strip().splitlines()[-1]
-    assert re.match(r"interrupted: \d+ of 15 runs done, \d+ stopped, \d+ cancelled",
-                    last), stderr
-    assert int(re.search(r"(\d+) cancelled", last).group(1)) >= 15 - 2 * workers
+    counts = re.match(r"interrupted: (\d+) of 15 runs done, (\d+) stopped, (\d+) cancelled",
+                      last)
+    assert counts, stderr
+    done, stopped, cancelled = map(int, counts.groups())
+    assert done == 0 and 1 <= stopped <= workers and done + stopped + cancelled == 15
     assert not late_runs - cli.seen, "a queued run started after the interrupt"
     assert _wait_until(lambda: not any(map(_alive, cli.seen)), 10)
     assert _logs_left(cli.tmp) == []
