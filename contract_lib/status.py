@@ -12,7 +12,7 @@ import pandas as pd
 
 from contract_lib.contract import (CLAUSES, HOLDS, MASKED, NOT_EXERCISED, VIOLATED, Report,
                                    check)
-from contract_lib.harness import LOOPS, run_many
+from contract_lib.harness import LOOPS, frames_or_raise, run_many
 from contract_lib.patches import PatchArg, patch_spec
 from contract_lib.verdict import Outcome, loop_mismatch, setup_failed, worst
 from contract_lib.workloads import workload_names
@@ -28,8 +28,8 @@ KV_POOL_ROW = "- KV pool (real MlxModelRunner)"
 # shows ``vacuous``: none of them earned ``holds``.
 SETUP_ERROR, VACUOUS = "setup-error", "vacuous"
 # Worst first: the status a (clause, loop) cell shows over several workloads.
-_SEVERITY = [VIOLATED, MASKED, SETUP_ERROR, "crashed", "died", "timeout", VACUOUS, HOLDS,
-             NOT_EXERCISED]
+_SEVERITY = [VIOLATED, MASKED, SETUP_ERROR, "crashed", "died", "timeout", "interrupted",
+             VACUOUS, HOLDS, NOT_EXERCISED]
 REFERENCE_LOOPS = ("normal", "overlap")
 
 
@@ -231,6 +231,7 @@ def releases_status(versions: list[str | None], workloads: list[str] | None = No
     frames = run_many([{"workload": w, "loop": loop, "patch": spec, "cache": cache,
                         "warm": warm, "runner": runner, "sglang": v}
                        for v, w, loop in keys], progress=progress)
+    frames = frames_or_raise(frames)  # e.g. a bad server arg: the table needs every run
     statuses = []
     for version in resolved:
         runs = [((w, loop), f) for (v, w, loop), f in zip(keys, frames) if v == version]

@@ -69,3 +69,15 @@ def overlap_off_after_build():
         self.enable_overlap = False
 
     Scheduler.__init__ = __init__
+
+
+def print_a_lot():
+    """Write 100 MB of lines and a last line to stdout (the run's log), then raise."""
+    def action():
+        line = b"x" * 1023 + b"\n"
+        for _ in range(100):
+            os.write(1, line * 1024)
+        os.write(1, b"the last line of a chatty child\n")
+        raise RuntimeError("after a lot of output")
+
+    _on_call(action)
