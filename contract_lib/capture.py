@@ -40,6 +40,10 @@ class StopRun(Exception):
     """Raised at a step boundary once the workload is done (every request finished)."""
 
 
+class OmniRequestError(RuntimeError):
+    """sglang-omni put an error for a request into its outbox (a failed batch)."""
+
+
 class StepBudgetExceeded(Exception):
     """Raised at a step boundary past the workload's ``max_steps``."""
 
@@ -312,6 +316,8 @@ class Recorder:
             self._emit_effects()
         if self.capture:
             self.snapshot()
+        if self.loop == "omni":
+            self._raise_omni_errors()
         if self.done():
             raise StopRun()
         if self.step >= self.workload.max_steps:
@@ -322,6 +328,21 @@ class Recorder:
         if self.effects is not None:
             self.effects.step = self.step
             self.effects.active = True
+
+    def _raise_omni_errors(self) -> None:
+        """Make a request error sglang-omni reported end the run (crashed).
+
+        Its loop catches a failing batch (``run_batch``, ``handle_batch_failure``),
+        aborts the batch's requests and carries on; the error only goes to the outbox
+        for the next pipeline stage. Without this, a run whose forward raised would
+        finish with aborted requests and hold every clause vacuously."""
+        for message in list(self.s.outbox.queue):
+            if message.type == "error":
+                error = message.data
+                raise OmniRequestError(
+                    f"sglang-omni reported an error for request {message.request_id!r}: "
+                    f"{type(error).__name__}: {error}") from (
+                        error if isinstance(error, BaseException) else None)
 
     def _emit_effects(self) -> None:
         rows = [("effects", row) for row in self.effects.take(self.loop)]

@@ -401,7 +401,11 @@ def _build(spec: dict[str, Any], emit, timing: dict[str, float]):
     def on_launch(batch, tokens: list[int]) -> None:
         holder["recorder"].on_torch_launch(batch, tokens)
 
-    if loop != "omni":
+    if loop == "omni":
+        from contract_lib import omni
+
+        applied += omni.install_shims(spec["omni_dir"], on_launch)
+    else:
         shims.install_torch_model_free_forward(on_launch)
         applied.append("torch-model-free-forward")
     if loop == "mlx":
@@ -422,9 +426,7 @@ def _build(spec: dict[str, Any], emit, timing: dict[str, float]):
     server_args = ServerArgs(**args)
     built = time.perf_counter()
     if loop == "omni":  # its ModelWorker publishes the runtime context itself
-        from contract_lib.omni import build_scheduler
-
-        scheduler = build_scheduler(spec["omni_dir"], server_args, on_launch, applied)
+        scheduler = omni.build_scheduler(server_args)
         timing["build_s"] = time.perf_counter() - built
     else:
         port_args = PortArgs.init_new(server_args)

@@ -70,35 +70,39 @@ def install_stamp(folder: Path) -> str:
 # ------------------------------------------------------------------------------------------
 
 
-def build_scheduler(folder: str, server_args, on_launch: Callable[[Any, list[int]], None],
-                    applied: list[str]):
-    """Build an ``OmniScheduler`` as sglang-omni's engine builder does for a plain-LM
-    stage (``AsrEngineBuilder``): ``create_sglang_infrastructure`` (its ``ModelWorker``,
-    SGLang's pools and its tree cache), the base ``ModelRunner`` with its
-    ``SGLangExecutionBridge``, and the scheduler with ``enable_async_decode`` (the
-    one-step-lookahead loop). Shims (``contract_lib.shims`` section 6) replace the
-    platform gate, the model and the request builder only; their names go to ``applied``.
-    """
+def install_shims(folder: str, on_launch: Callable[[Any, list[int]], None]) -> list[str]:
+    """Put sglang-omni on ``sys.path`` and install its shims (``contract_lib.shims``
+    section 6: platform gates, the model, the request builder) before any patch runs,
+    as for the torch loops; returns their names."""
     if folder not in sys.path:
         sys.path.insert(0, folder)
     from contract_lib import shims
 
-    applied += shims.install_omni_platform()
+    applied = shims.install_omni_platform()  # before sglang_omni is first imported
+    applied += shims.install_omni_unpinned_staging()
+    shims.install_omni_model_free_worker()
+    shims.install_omni_model_free_runner(on_launch)
+    return applied + ["omni-model-free-worker", "omni-model-free-forward",
+                      "omni-scripted-request-builder"]
+
+
+def build_scheduler(server_args):
+    """Build an ``OmniScheduler`` as sglang-omni's engine builder does for a plain-LM
+    stage (``AsrEngineBuilder``): ``create_sglang_infrastructure`` (its ``ModelWorker``,
+    SGLang's pools and its tree cache), the plain-LM ``ModelRunner`` with its
+    ``SGLangExecutionBridge``, and the scheduler with ``enable_async_decode`` (the
+    one-step-lookahead loop). Call :func:`install_shims` first."""
+    from sglang_omni.model_runner.base import ModelRunner
     from sglang_omni.scheduling import bootstrap, omni_scheduler
     from sglang_omni.scheduling.sglang_backend import SGLangOutputProcessor
 
-    applied += shims.install_omni_unpinned_staging()
-    shims.install_omni_model_free_worker()
-    applied.append("omni-model-free-worker")
+    from contract_lib import shims
+
     _want_cuda_graph, (worker, tree_cache, req_to_token_pool, allocator, model_config) = (
         bootstrap.create_sglang_infrastructure_defer_cuda_graph(server_args, 0))
-    runner = shims.omni_model_free_runner(worker, SGLangOutputProcessor(), on_launch)
-    applied.append("omni-model-free-forward")
-    scheduler = omni_scheduler.OmniScheduler(
+    return omni_scheduler.OmniScheduler(
         tp_worker=worker, tree_cache=tree_cache, req_to_token_pool=req_to_token_pool,
         token_to_kv_pool_allocator=allocator, server_args=server_args,
-        model_config=model_config, model_runner=runner,
+        model_config=model_config, model_runner=ModelRunner(worker, SGLangOutputProcessor()),
         request_builder=shims.omni_request_builder,
         result_adapter=shims.omni_result_adapter, enable_async_decode=True)
-    applied.append("omni-scripted-request-builder")
-    return scheduler

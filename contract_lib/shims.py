@@ -646,8 +646,8 @@ def install_omni_model_free_worker() -> None:
     ModelWorker.init_model_runner = init_model_runner
 
 
-def omni_model_free_runner(worker, output_processor, on_launch: Callable[[Any, list[int]], None]):
-    """sglang-omni's base (plain-LM) ``ModelRunner`` with the model forward replaced.
+def install_omni_model_free_runner(on_launch: Callable[[Any, list[int]], None]) -> None:
+    """sglang-omni's plain-LM ``ModelRunner`` with the model forward replaced.
 
     Why: ``ModelRunner.prepare_and_forward`` calls the model through
     ``custom_prefill_forward`` / ``custom_decode_forward`` (sglang-omni's hooks for a
@@ -665,21 +665,20 @@ def omni_model_free_runner(worker, output_processor, on_launch: Callable[[Any, l
     """
     from sglang_omni.model_runner.base import ModelRunner
 
-    class ModelFreeOmniRunner(ModelRunner):
-        def build_forward_batch(self, scheduler_output):
-            batch = scheduler_output.batch_data
-            if batch is None:
-                return None
-            return None, batch, bool(batch.forward_mode.is_extend())
+    def build_forward_batch(self, scheduler_output):
+        batch = scheduler_output.batch_data
+        if batch is None:
+            return None
+        return None, batch, bool(batch.forward_mode.is_extend())
 
-        def custom_prefill_forward(self, forward_batch, schedule_batch, requests):
-            tokens = model_free_tokens(schedule_batch)
-            on_launch(schedule_batch, tokens)
-            return model_free_result(tokens)
+    def model_free_forward(self, forward_batch, schedule_batch, requests):
+        tokens = model_free_tokens(schedule_batch)
+        on_launch(schedule_batch, tokens)
+        return model_free_result(tokens)
 
-        custom_decode_forward = custom_prefill_forward
-
-    return ModelFreeOmniRunner(worker, output_processor)
+    ModelRunner.build_forward_batch = build_forward_batch
+    ModelRunner.custom_prefill_forward = model_free_forward
+    ModelRunner.custom_decode_forward = model_free_forward
 
 
 def omni_request_message(rid: str, prompt: list[int], max_new_tokens: int):
