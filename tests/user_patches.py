@@ -57,3 +57,14 @@ def undo_stub_backport():
     from sglang.srt.hardware_backend.mlx.model_runner_stub import MlxModelRunnerStub
 
     del MlxModelRunnerStub.logical_max_total_num_tokens
+
+
+def omni_forward_raises():
+    """sglang-omni: the (model-free) decode forward raises; OmniScheduler catches it,
+    aborts the batch's requests and carries on (``handle_batch_failure``)."""
+    from sglang_omni.model_runner.base import ModelRunner
+
+    def custom_decode_forward(self, *args, **kwargs):
+        raise RuntimeError("injected decode failure")
+
+    ModelRunner.custom_decode_forward = custom_decode_forward
