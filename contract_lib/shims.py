@@ -18,6 +18,11 @@ upstream bug of that release), and nothing else in the package replaces SGLang b
 3. **Request ingress**: the zmq receiver becomes a scripted one that hands SGLang real
    ``TokenizedGenerateReqInput`` objects at chosen loop iterations.
 
+The same three, and nothing else, for sglang-omni's ``OmniScheduler`` (loop ``omni``,
+section 6): its platform gates (its CPU platform; unpinned host staging), its model (the
+``ModelWorker``'s runner and the plain-LM ``ModelRunner``'s forward) and its ingress
+(inbox messages and the model's request builder).
+
 The capture hooks in :mod:`contract_lib.capture` only observe (they call through).
 """
 
