@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 
+import pandas as pd
 import pytest
 
 import contract_lib
@@ -54,6 +55,15 @@ def test_the_lookahead_overrun_launch_is_resolved_and_dropped(run_cached):
     assert list(dropped["launch"]) == [launches["launch"].max()]
     assert (launches["processed_forward_iter"].dropna()
             == launches.loc[launches["processed_step"].notna(), "forward_ct"]).all()
+
+
+def test_omni_frames_are_deterministic_warm_or_cold():
+    warm, cold = (contract_lib.run("staggered", "omni", cache=False, warm=w)
+                  for w in (True, False))
+    a, b = warm.comparable(), cold.comparable()
+    assert a.keys() == b.keys()
+    for name in a:
+        pd.testing.assert_frame_equal(a[name], b[name], obj=name)
 
 
 def test_omni_runs_with_its_shims_only(run_cached):
