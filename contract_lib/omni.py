@@ -46,12 +46,12 @@ def _complete(folder: Path) -> bool:
 
 
 def omni_path() -> Path:
-    """The folder holding sglang-omni (installed on first use: ~3 s, 27 MB)."""
+    """The folder holding sglang-omni (installed on first use: ~3 s, 29 MB)."""
     folder = omni_folder()
     if _complete(folder):
         return folder
     return install_target(folder, list(OMNI_REQUIREMENTS), complete=_complete,
-                          label=f"sglang-omni {OMNI_VERSION}", size_hint="~4 MB download")
+                          label=f"sglang-omni {OMNI_VERSION}", size_hint="~3 MB download")
 
 
 def install_stamp(folder: Path) -> str:
