@@ -113,3 +113,13 @@ def test_a_failing_omni_install_is_a_clear_error(monkeypatch, tmp_path):
                        match=r"(?s)could not install sglang-omni 0\.1\.9.*network access"):
         omni.omni_path()
     assert [path.name for path in tmp_path.iterdir()] == [".install.lock"]
+
+
+def test_the_effects_audit_records_omni(run_cached):
+    """OmniScheduler is no ``Scheduler`` and has no profiler manager: its own class is
+    hooked as the scheduler's, and the run records its writes."""
+    frames = contract_lib.run("two-turn", "omni", audit=True)
+    assert frames.status == "finished", frames.error
+    written = frames.effects[frames.effects["changed"] > 0]
+    assert {("Scheduler", "forward_ct"), ("Scheduler", "_prev_step")} <= set(
+        zip(written["object"], written["field"]))
