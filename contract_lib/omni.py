@@ -34,9 +34,13 @@ OMNI_REQUIREMENTS = (f"sglang-omni=={OMNI_VERSION}", "msgpack==1.2.4")
 OMNI_DIR_ENV = "CONTRACT_LIB_OMNI_DIR"
 
 
+def omni_root() -> Path:
+    """Where sglang-omni releases are installed (one folder per version)."""
+    return Path(os.environ.get(OMNI_DIR_ENV, PROJECT_ROOT / ".cache" / "omni"))
+
+
 def omni_folder(version: str = OMNI_VERSION) -> Path:
-    root = Path(os.environ.get(OMNI_DIR_ENV, PROJECT_ROOT / ".cache" / "omni"))
-    return root / version
+    return omni_root() / version
 
 
 def _complete(folder: Path) -> bool:

@@ -59,6 +59,18 @@ def undo_stub_backport():
     del MlxModelRunnerStub.logical_max_total_num_tokens
 
 
+def overlap_off_after_build():
+    """Turn the overlap flag off once the Scheduler is built (as a PD or platform hook
+    might): SGLang's dispatch then enters another loop than the one asked for."""
+    original = Scheduler.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.enable_overlap = False
+
+    Scheduler.__init__ = __init__
+
+
 def omni_forward_raises():
     """sglang-omni: the (model-free) decode forward raises; OmniScheduler catches it,
     aborts the batch's requests and carries on (``handle_batch_failure``)."""
