@@ -67,7 +67,9 @@ def test_omni_frames_are_deterministic_warm_or_cold():
 
 
 def test_omni_runs_with_its_shims_only(run_cached):
-    shims = run_cached("two-turn", "omni").meta["shims"]
+    meta = run_cached("two-turn", "omni").meta
+    assert meta["loop_function"] == "event_loop_async_decode"
+    shims = meta["shims"]
     assert {"omni-cpu-platform", "omni-unpinned-staging", "omni-model-free-worker",
             "omni-model-free-forward", "omni-scripted-request-builder"} <= set(shims)
     assert "torch-model-free-forward" not in shims and "scripted-ingress" not in shims
