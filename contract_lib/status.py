@@ -12,7 +12,7 @@ import pandas as pd
 
 from contract_lib.contract import (CLAUSES, HOLDS, MASKED, NOT_EXERCISED, VIOLATED, Report,
                                    check)
-from contract_lib.harness import LOOPS, frames_or_raise, run_many
+from contract_lib.harness import LOOPS, SGLANG_LOOPS, frames_or_raise, run_many
 from contract_lib.patches import PatchArg, patch_spec
 from contract_lib.verdict import Outcome, loop_mismatch, setup_failed, worst
 from contract_lib.workloads import workload_names
@@ -144,8 +144,9 @@ class Status:
 
 
 def default_loops(runner: str = "model-free") -> tuple[str, ...]:
-    """Every loop, or only ``mlx`` for the real runner (the torch loops stay model-free)."""
-    return ("mlx",) if runner == "real" else LOOPS
+    """SGLang's loops, or only ``mlx`` for the real runner (the torch loops stay
+    model-free). ``omni`` (sglang-omni, pinned to SGLang 0.5.22) runs when asked for."""
+    return ("mlx",) if runner == "real" else SGLANG_LOOPS
 
 
 def status(workloads: list[str] | None = None, loops: tuple[str, ...] | None = None,
@@ -228,8 +229,11 @@ def releases_status(versions: list[str | None], workloads: list[str] | None = No
     for version in resolved:
         sglang_path(version)  # install before the parallel runs, one release at a time
     keys = [(v, w, loop) for v in resolved for w in workloads for loop in loops]
+    requested = dict(zip(resolved, versions))
+    # ``omni`` runs on its pinned release: the default (None) lets it choose it.
     frames = run_many([{"workload": w, "loop": loop, "patch": spec, "cache": cache,
-                        "warm": warm, "runner": runner, "sglang": v}
+                        "warm": warm, "runner": runner,
+                        "sglang": requested[v] if loop == "omni" else v}
                        for v, w, loop in keys], progress=progress)
     frames = frames_or_raise(frames)  # e.g. a bad server arg: the table needs every run
     statuses = []
