@@ -95,8 +95,13 @@ def _default_out(args) -> Path:
     if args.sglang:
         name += f".sglang-{args.sglang}"
     if args.patch:
-        name += "." + "+".join(args.patch).replace(":", "-").replace("/", "-")
+        name += "." + _file_part("+".join(args.patch))
     return FRAMES_DIR / f"{name}.json"
+
+
+def _file_part(patch: str) -> str:
+    """A patch spec as part of a file name."""
+    return patch.replace(":", "-").replace("/", "-")
 
 
 def _run(args) -> Frames:
@@ -105,11 +110,23 @@ def _run(args) -> Frames:
                      server_args=dict(args.server_arg), cache=not args.no_cache,
                      warm=not args.cold, runner=args.runner, sglang=args.sglang)
     except RunInterrupted as exc:  # keep what the run captured
-        out = exc.frames.save(args.out or _default_out(args))
+        out = _save_frames(exc.frames, args.out or _default_out(args))
         raise RunInterrupted(f"{exc}; the frames so far are in {out}", exc.frames) from None
-    out = frames.save(args.out or _default_out(args))
-    print(f"frames written to {out}{' (from the frame cache)' if frames.meta.get('cached') else ''}")
+    out = _save_frames(frames, args.out or _default_out(args))
+    if out is not None:
+        cached = " (from the frame cache)" if frames.meta.get("cached") else ""
+        print(f"frames written to {out}{cached}")
     return frames
+
+
+def _save_frames(frames: Frames, path: Path) -> Path | None:
+    """Write the frames; an unwritable path costs the file, never the verdict (one line
+    on stderr, None returned)."""
+    try:
+        return frames.save(path)
+    except OSError as exc:
+        print(f"warning: could not write the frames to {path}: {exc}", file=sys.stderr)
+        return None
 
 
 def _fate(frames: Frames) -> Outcome:
@@ -193,8 +210,17 @@ def cmd_trace(args) -> int:
     patch = "+".join(args.patch) if args.patch else None
     runs = [run(args.workload, loop, patch=patch, cache=not args.no_cache,
                 warm=not args.cold) for loop in loops]
-    out = args.out or FRAMES_DIR / f"{Path(args.workload).stem}.{'-'.join(loops)}.trace.json"
-    path = write_trace(runs, out, wall_clock=args.wall_clock)
+    name = f"{Path(args.workload).stem}.{'-'.join(loops)}"
+    if patch:
+        name += "." + _file_part(patch)
+    if args.wall_clock:
+        name += ".wall-clock"
+    out = args.out or FRAMES_DIR / f"{name}.trace.json"
+    try:
+        path = write_trace(runs, out, wall_clock=args.wall_clock)
+    except OSError as exc:
+        print(f"error: could not write the trace to {out}: {exc}", file=sys.stderr)
+        return Outcome.USAGE
     print(f"trace of {', '.join(loops)} on {args.workload} written to {path}; open it in "
           "https://ui.perfetto.dev (Open trace file) or chrome://tracing")
     for frames in runs:
