@@ -46,6 +46,23 @@ def _tolist(tensor) -> list:
     return [] if tensor is None else tensor.tolist()
 
 
+def _prefill_lanes(batch) -> list[int]:
+    """Indices into ``batch.reqs`` of its prefill/extend lanes: every request of an
+    extend or mixed batch except its decode lanes (``decoding_reqs``); none of a decode
+    batch."""
+    if batch is None or batch.is_empty() or not batch.forward_mode.is_extend():
+        return []
+    decoding = {id(req) for req in (batch.decoding_reqs or ())}
+    return [i for i, req in enumerate(batch.reqs) if id(req) not in decoding]
+
+
+def _prefilled_tokens(batch) -> int:
+    """Tokens a launch prefills (clause 6): its prefill lanes' ``extend_lens``; a decode
+    lane of a mixed batch, a decode or a chained launch (``batch`` None) prefill none."""
+    lanes = _prefill_lanes(batch)
+    return int(sum(batch.extend_lens[i] for i in lanes))
+
+
 class Recorder:
     """Records frames of one run and streams them through ``emit`` as they are taken.
 
@@ -75,6 +92,10 @@ class Recorder:
         self.launch_ct = 0
         self.unprocessed: collections.deque[int] = collections.deque()
         self.relay_written: dict[int, tuple[int, str | None, int | None]] = {}
+        # Per request: kv_computed at the end of its last prefill/extend lane (clause 2's
+        # decode_batch_idx counts the decode launches since).
+        self.kv_prefilled: dict[str, int] = {}
+        self.backend = None
 
     # -- installation -------------------------------------------------------------------
 
@@ -106,6 +127,9 @@ class Recorder:
             self.effects.install(s)
         if self.loop == "mlx":
             self._install_mlx_launch_hooks()
+        from contract_lib.extensions import BackendStateRecorder
+
+        self.backend = BackendStateRecorder(self.s)
 
     def _install_relay_hooks(self) -> None:
         from sglang.srt.managers import overlap_utils, scheduler as scheduler_module
@@ -169,7 +193,8 @@ class Recorder:
 
     # -- launches -------------------------------------------------------------------------
 
-    def _record_launch(self, *, forward_iter, launch_ts, mode, chained, rids) -> None:
+    def _record_launch(self, *, forward_iter, launch_ts, mode, chained, rids,
+                       prefilled_tokens: int = 0) -> None:
         self.launch_ct += 1
         self.unprocessed.append(self.launch_ct)
         self.emit(("row", "launches", {
@@ -178,6 +203,7 @@ class Recorder:
             "launch_ts": launch_ts, "mode": mode, "chained": chained,
             "rids": ",".join(rids), "processed_step": None,
             "processed_forward_iter": None, "processed_launch_ts": None,
+            "prefilled_tokens": prefilled_tokens,
         }))
 
     def on_torch_launch(self, batch, tokens: list[int]) -> None:
@@ -188,13 +214,17 @@ class Recorder:
         for rid, seq_len, token in zip(rids, batch.seq_lens.tolist(), tokens):
             self.kv_computed[rid] = int(seq_len)
             self.latest_token[rid] = int(token)
+        for lane in _prefill_lanes(batch):
+            self.kv_prefilled[rids[lane]] = self.kv_computed[rids[lane]]
         self._record_launch(forward_iter=batch.forward_iter, launch_ts=batch.launch_ts,
-                            mode=_mode_name(batch), chained=False, rids=rids)
+                            mode=_mode_name(batch), chained=False, rids=rids,
+                            prefilled_tokens=_prefilled_tokens(batch))
 
     def on_mlx_launch(self, launch, batch, *, chained: bool) -> None:
         rids = []
         for pending in (*launch.prefills, *launch.extends):
             self.kv_computed[pending.req_id] = int(pending.cache[0].offset)
+            self.kv_prefilled[pending.req_id] = self.kv_computed[pending.req_id]
             rids.append(pending.req_id)
         if launch.decode is not None:
             for rid, cache in zip(launch.decode.req_ids, launch.decode.caches):
@@ -206,7 +236,8 @@ class Recorder:
         else:
             forward_iter, launch_ts, mode = None, None, "decode"
         self._record_launch(forward_iter=forward_iter, launch_ts=launch_ts, mode=mode,
-                            chained=chained, rids=rids)
+                            chained=chained, rids=rids,
+                            prefilled_tokens=_prefilled_tokens(batch))
 
     def on_processed(self, batch, result) -> None:
         if not self.unprocessed:
@@ -317,6 +348,7 @@ class Recorder:
             "running_mode": _mode_name(running), "last_batch_mode": _mode_name(last),
             "waiting_len": len(s.waiting_queue), **self._pool_terms(),
             "wall_time": time.monotonic(),
+            "processed_tokens_counter": getattr(s, "processed_tokens_counter", None),
         }))
         free = self._free_slots()
         rtt = s.req_to_token_pool.req_to_token
@@ -333,12 +365,15 @@ class Recorder:
                 "kv_allocated_len": kv.kv_allocated_len,
                 "cache_protected_len": kv.cache_protected_len,
                 "cached_tokens": req.cached_tokens,
+                "decode_batch_idx": getattr(req, "decode_batch_idx", None),
+                "kv_prefilled": self.kv_prefilled.get(rid),
             }))
             if row is None or req.finished():
                 continue
             width = max(self.kv_computed.get(rid, 0), kv.kv_allocated_len)
             entries = rtt[row, :width].numpy()
             slot_rows.append((step, rid, row, entries.tolist(), free[entries].tolist()))
+        rows += [("backend_state", row) for row in self.backend.rows(step, self.reqs)]
         # One message: the step's frame, taken together (slots column-wise, expanded by
         # the parent into one row per position).
         self.emit(("rows", rows, slot_rows))

@@ -37,6 +37,10 @@ has computed or queued (recorded at the model boundary).
    ``violated-masked``. Readers: ``release_memory_occupation`` (asserts it),
    ``flush_cache``, the health check, HiCache attach/detach, PD role switch.
 
+This project's extensions (clause 2's ``decode_batch_idx``, 6 scheduling clocks advanced,
+7 request state retired) live in :mod:`contract_lib.extensions`; :func:`check` runs the
+set ``clauses="all"`` (default) or ``"rfc"`` (the five as the RFC states them).
+
 Besides the clauses, the report carries SGLang's own KV pool conservation law
 (``available + evictable + protected + uncached == total``, ``InvariantChecker``)
 evaluated at every step boundary, including the drained end state.
@@ -49,6 +53,8 @@ from typing import Any
 
 import pandas as pd
 
+from contract_lib.extensions import (EXTENDED_FIELDS, EXTENSION_CLAUSES, clause_checks,
+                                     origin, sglang_finding)
 from contract_lib.frames import Frames, run_title
 
 CLAUSES: dict[int, str] = {
@@ -57,6 +63,7 @@ CLAUSES: dict[int, str] = {
     3: "step stamped",
     4: "relays published or provably unread",
     5: "in-flight predicates test any overlap loop",
+    **EXTENSION_CLAUSES,
 }
 
 HOLDS, VIOLATED, MASKED, NOT_EXERCISED = "holds", "violated", "violated-masked", "not-exercised"
@@ -93,6 +100,7 @@ class Report:
     meta: dict[str, Any]
     clauses: dict[int, ClauseResult]
     pool: pd.DataFrame
+    clause_set: str = "all"
 
     @property
     def ok(self) -> bool:
@@ -129,8 +137,14 @@ class Report:
             lines.append(f"  run {meta['status']}: {error['type']}: {error['message']}")
         lines.append("")
         lines.append(f"  {'clause':<48} {'status':<16} violations")
+        section = None
         for number, result in self.clauses.items():
+            if origin(number) != section:
+                section = origin(number)
+                lines.append(f"  [{section}]")
             label = f"{number} {result.name}"
+            if self.clause_set == "all" and number in EXTENDED_FIELDS:
+                label += f" (+ {', '.join(EXTENDED_FIELDS[number])})"
             lines.append(f"  {label:<48} {result.status:<16} {len(result.violations)}")
         leaks = len(self.pool)
         lines.append(f"  {'- KV pool conservation (SGLang InvariantChecker)':<48} "
@@ -140,6 +154,10 @@ class Report:
             if first is not None:
                 lines.append("")
                 lines.append(violation_message(first))
+                finding = sglang_finding(number, result)
+                if finding:
+                    lines.append(f"  (an SGLang-wide finding, not this loop's own: bug "
+                                 f"{finding} in data/bugs.toml)")
             elif result.status == NOT_EXERCISED:
                 lines.append("")
                 lines.append(f"clause {number} ({result.name}): not exercised: {result.note}")
@@ -416,17 +434,19 @@ CHECKS = {1: check_slots, 2: check_counters, 3: check_stamps, 4: check_relay,
           5: check_idle_predicate}
 
 
-def check(frames: Frames) -> Report:
-    """Check all five clauses on one run's frames (whatever its status)."""
+def check(frames: Frames, clauses: str = "all") -> Report:
+    """Check a clause set on one run's frames (whatever its status): ``"all"`` (the
+    RFC's five and this project's extensions) or ``"rfc"`` (the RFC's five only)."""
+    checks = clause_checks(clauses)
     return Report(meta=dict(frames.meta),
-                  clauses={number: fn(frames) for number, fn in CHECKS.items()},
-                  pool=check_pool(frames))
+                  clauses={number: checks[number](frames) for number in sorted(checks)},
+                  pool=check_pool(frames), clause_set=clauses)
 
 
-def assert_contract(frames: Frames) -> Report:
+def assert_contract(frames: Frames, clauses: str = "all") -> Report:
     """Raise :class:`ContractViolation` for the lowest violated clause, else return the
     report. For pytest: the message starts ``clause N (name): field F``."""
-    report = check(frames)
+    report = check(frames, clauses)
     for result in report.clauses.values():
         first = result.first()
         if first is not None:
