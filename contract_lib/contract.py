@@ -116,7 +116,8 @@ class Report:
         return pd.concat(frames, ignore_index=True)
 
     def table(self) -> pd.DataFrame:
-        """One row per clause: status, violation count and the first violation."""
+        """One row per clause: status, violation count, the first violation, and where
+        the clause comes from (``RFC #32833`` or ``this project's extensions``)."""
         rows = []
         for number, result in self.clauses.items():
             first = result.first() or {}
@@ -124,7 +125,7 @@ class Report:
                 "clause": number, "name": result.name, "status": result.status,
                 "violations": len(result.violations), "first_step": first.get("step"),
                 "first_field": first.get("field"), "first_rid": first.get("rid"),
-                "note": result.note,
+                "note": result.note, "origin": origin(number),
             })
         return pd.DataFrame(rows)
 
