@@ -12,6 +12,8 @@ records, and calls the original:
 - The forward launch: the torch model-free forward calls :meth:`Recorder.on_torch_launch`;
   on the MLX loop ``MlxTpModelWorker.async_forward_batch_generation_mlx`` (fresh) and
   ``async_chained_decode_mlx`` (chained) are wrapped on the instance.
+- :class:`BackendStateRecorder` wraps nothing: at each step boundary it reads the
+  backend's per-request dicts and sets (table ``backend_state``, clause 7).
 """
 
 from __future__ import annotations
@@ -127,8 +129,6 @@ class Recorder:
             self.effects.install(s)
         if self.loop == "mlx":
             self._install_mlx_launch_hooks()
-        from contract_lib.extensions import BackendStateRecorder
-
         self.backend = BackendStateRecorder(self.s)
 
     def _install_relay_hooks(self) -> None:
@@ -442,6 +442,52 @@ class Recorder:
         for rid, req in self.reqs.items():
             for index, token in enumerate(req.output_ids):
                 self.emit(("row", "outputs", {"rid": rid, "index": index, "token": int(token)}))
+
+
+class BackendStateRecorder:
+    """Records the backend's per-request structures at every step boundary.
+
+    The backend is the scheduler's ``tp_worker`` and every ``*runner`` object it holds
+    (MLX: ``MlxTpModelWorker``, its ``MlxModelRunner`` and the bookkeeping stub; torch:
+    ``TpModelWorker`` and its runner). A structure is per-request when it is a dict or set
+    attribute of one of them that has ever been keyed by a request id the scheduler knows;
+    from then on every string key it holds is recorded, known or not. No names are
+    assumed, so a release or a replacement loop that renames them is still covered.
+    """
+
+    def __init__(self, scheduler) -> None:
+        self.s = scheduler
+        self.per_request: set[str] = set()  # "object.attribute" found keyed by request ids
+
+    def _objects(self) -> dict[str, Any]:
+        worker = getattr(self.s, "tp_worker", None)
+        if worker is None:
+            return {}
+        objects = {"tp_worker": worker}
+        for name, value in vars(worker).items():
+            if name.endswith("runner") and value is not None and hasattr(value, "__dict__"):
+                objects[f"tp_worker.{name}"] = value
+        return objects
+
+    def rows(self, step: int, reqs: dict[str, Any]) -> list[dict[str, Any]]:
+        """``(step, rid, structure, row)`` per request key held, in a stable order."""
+        rows = []
+        for owner, obj in self._objects().items():
+            for name, value in sorted(vars(obj).items()):
+                if not isinstance(value, (dict, set, frozenset)):
+                    continue
+                structure = f"{owner}.{name}"
+                keys = [k for k in value if isinstance(k, str)]
+                if structure not in self.per_request:
+                    if not any(k in reqs for k in keys):
+                        continue
+                    self.per_request.add(structure)
+                maps_row = isinstance(value, dict) and "pool_idx" in name
+                for key in sorted(keys):
+                    row = value[key] if maps_row else None
+                    rows.append({"step": step, "rid": key, "structure": structure,
+                                 "row": int(row) if isinstance(row, int) else None})
+        return rows
 
 
 class _EmptyBatch:

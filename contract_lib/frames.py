@@ -24,7 +24,7 @@ Tables (pandas DataFrames; the column lists below are the schema):
   (the MLX worker's and runner's dicts and sets keyed by request id): request id,
   ``structure`` (``tp_worker._mlx_active_rids``, ``tp_worker._mlx_runner._req_caches``,
   ...) and, for a structure that maps the request to a ``req_to_token`` row, that
-  ``row`` (:class:`contract_lib.extensions.BackendStateRecorder`; clause 7).
+  ``row`` (:class:`contract_lib.capture.BackendStateRecorder`; clause 7).
 - ``kv_syncs`` (``runner="real"`` only): every position written into the MLX attention
   KV pool: step, request, kind (``prefill``, ``extend``, ``release``, ``flush``,
   ``remove``; ``dropped`` for positions a clamped release leaves out), position, slot,
