@@ -35,9 +35,21 @@ import pandas as pd
 from contract_lib.frames import Frames
 from contract_lib.harness import LOOPS, run_many
 from contract_lib.patches import PatchArg, patch_spec
+from contract_lib.verdict import Outcome, setup_failed
 
 REFERENCE_LOOPS = ("normal", "overlap")
 CANDIDATE_LOOP = "mlx"
+
+
+class AuditRunFailed(RuntimeError):
+    """An audit run did not finish, so there is nothing sound to compare: ``outcome`` is
+    :attr:`Outcome.USAGE` (it failed in set-up) or :attr:`Outcome.NOT_FINISHED`;
+    ``frames`` holds every run, with what each captured."""
+
+    def __init__(self, message: str, outcome: Outcome, frames: dict[str, Frames]) -> None:
+        super().__init__(message)
+        self.outcome = outcome
+        self.frames = frames
 
 # Fields a shipped clause already checks (pseudo-fields name in-place tensor writes).
 CLAUSE_OF_FIELD = {
@@ -206,8 +218,14 @@ def audit(workload: str = "two-turn", patch: PatchArg = None, progress: bool = T
     spec = patch_spec(patch)
     runs = run_many([{"workload": workload, "loop": loop, "patch": spec, "audit": True}
                      for loop in LOOPS], progress=progress)
+    by_loop = dict(zip(LOOPS, runs))
     for frames in runs:
         if frames.status != "finished":
-            raise RuntimeError(f"audit run {workload} on {frames.loop} {frames.status}: "
-                               f"{frames.error['message']}")
-    return compare(dict(zip(LOOPS, runs)), workload, spec)
+            error = frames.error or {}
+            outcome = Outcome.USAGE if setup_failed(frames.meta) else Outcome.NOT_FINISHED
+            raise AuditRunFailed(
+                f"audit run {workload} on {frames.loop} {frames.status} after "
+                f"{frames.meta.get('steps')} steps ({error.get('type')}: "
+                f"{error.get('message')}); no audit from a run that did not finish",
+                outcome, by_loop)
+    return compare(by_loop, workload, spec)

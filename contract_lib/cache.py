@@ -7,25 +7,40 @@ and mtime of every file of the package, so an edited install is a different key)
 versions of torch, mlx, mlx-lm and Python, this library's own source and data files, and
 the source of any user patch module. Only ``finished`` runs are stored; faults always rerun.
 
+What the key cannot know in advance, the entry records: the file and sha256 of every
+module the run loaded from outside the installed code (a user patch and the helper
+modules it imports; reported by the run's child, :func:`user_modules`). An entry is
+served only while those files are unchanged, and only if it is a frames file of this
+schema whose meta matches the run asked for; anything else is deleted with a one-line
+:class:`CacheWarning` and the run executes again. Storing is best effort: an unwritable
+or full directory costs one warning, never the run. Entries are written atomically.
+
 Bypass with ``run(..., cache=False)``, ``--no-cache`` or ``CONTRACT_LIB_NO_CACHE=1``;
 clear with :func:`clear` or ``python -m contract_lib cache clear``. The cache lives in
-``$CONTRACT_LIB_CACHE_DIR``, else ``.cache/frames`` in the project checkout.
+``$CONTRACT_LIB_CACHE_DIR`` (when set and not empty), else ``.cache/frames`` in the project
+checkout. A directory the cache creates or finds empty (and the default one) gets a marker
+file; :func:`clear` only touches a marked directory, and there only the ``<sha256>.json``
+entries and their temporaries.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
 import json
 import os
 import platform
-import shutil
+import re
+import warnings
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from contract_lib.frames import SCHEMA_VERSION, Frames
+from contract_lib.atomic import temporary_name_pattern
+from contract_lib.frames import (SCHEMA_VERSION, Frames, FramesFormatError, read_payload,
+                                 write_payload)
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # The modules whose code determines a run's frames (not the checker or presentation).
@@ -34,10 +49,12 @@ _RUN_MODULES = ("cache", "capture", "effects", "frames", "harness", "kvpool", "p
 LIBRARY_FILES = sorted(
     [*(Path(__file__).parent / f"{name}.py" for name in _RUN_MODULES),
      PROJECT_ROOT / "data" / "model" / "config.json"])
+DEFAULT_DIR = PROJECT_ROOT / ".cache" / "frames"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("CONTRACT_LIB_CACHE_DIR", PROJECT_ROOT / ".cache" / "frames"))
+    """``$CONTRACT_LIB_CACHE_DIR`` when set and not empty, else :data:`DEFAULT_DIR`."""
+    return Path(os.environ.get("CONTRACT_LIB_CACHE_DIR") or DEFAULT_DIR)
 
 
 def enabled() -> bool:
@@ -123,31 +140,209 @@ def key(spec: dict[str, Any], sglang_dir: Path | None = None) -> str:
                     _library_fingerprint(), _patch_sources(spec.get("patch"))])
 
 
-def load(run_key: str) -> Frames | None:
-    path = cache_dir() / f"{run_key}.json"
+# -- user modules (what the key cannot know before the run) --------------------------------
+
+
+def _installed_roots() -> tuple[str, ...]:
+    """Where installed code lives (absolute and real paths, each ending in a separator): the
+    interpreter's prefixes (stdlib, the venv's site-packages), the site directories, the
+    SGLang release folders and the SGLang the run imported."""
+    import site
+    import sys
+
+    from contract_lib.versions import releases_dir
+
+    roots = {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
+             *site.getsitepackages(), site.getusersitepackages(), str(releases_dir())}
+    sglang = sys.modules.get("sglang")
+    if getattr(sglang, "__file__", None):
+        roots.add(str(Path(sglang.__file__).parent.parent))
+    return tuple({os.path.join(resolve(root), "")
+                  for root in roots if root for resolve in (os.path.abspath, os.path.realpath)})
+
+
+def _file_hash(path: str) -> str | None:
+    """sha256 of a file's bytes; None when it cannot be read."""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def user_modules() -> dict[str, str | None]:
+    """Called in the run's child at the end of the run: ``{file: sha256}`` of every
+    loaded module whose file lies outside the installed code (:func:`_installed_roots`)
+    and is not one of this library's run modules (those are in the key): a user patch,
+    every module of the user's own that it imported, and any other module of this
+    checkout. None for a file that cannot be read (such a run is not cached)."""
+    import sys
+
+    roots = _installed_roots()
+    keyed = {os.path.realpath(path) for path in LIBRARY_FILES}
+    found: dict[str, str | None] = {}
+    for module in list(sys.modules.values()):
+        try:
+            spec = vars(module).get("__spec__")
+        except TypeError:  # not a module object
+            continue
+        if not getattr(spec, "has_location", False) or not isinstance(spec.origin, str):
+            continue  # built-in, frozen, namespace or made up: no file of its own
+        if spec.origin.startswith(roots):  # the common case, ~6000 modules: no stat
+            continue
+        path = os.path.realpath(spec.origin)
+        if not path.startswith(roots) and path not in keyed:
+            found[path] = _file_hash(path)
+    return dict(sorted(found.items()))
+
+
+# -- entries ----------------------------------------------------------------------------------
+
+
+class CacheWarning(UserWarning):
+    """A cache entry was discarded, or a run could not be stored (the run is unaffected)."""
+
+
+class CacheDirError(ValueError):
+    """``cache clear`` on a directory the frame cache did not create."""
+
+
+MARKER = ".contract_lib-frame-cache"
+_ENTRY = r"[0-9a-f]{64}\.json"
+_OWN_NAME = re.compile(rf"{_ENTRY}|{temporary_name_pattern(_ENTRY)}")
+# The spec entries of ``meta`` an entry must match (what :func:`contract_lib.run` asked for).
+SPEC_META = ("workload", "loop", "patch", "runner", "sglang_version", "server_args")
+_warned: set[str] = set()
+
+
+def _warn(message: str, once: str | None = None) -> None:
+    """A one-line :class:`CacheWarning` (attributed to this module, not to a source line,
+    so it prints as one line); with ``once``, only the first time per process."""
+    if once is not None:
+        if once in _warned:
+            return
+        _warned.add(once)
+    warnings.warn_explicit(message, CacheWarning, filename=__name__, lineno=0)
+
+
+def _entry_path(run_key: str) -> Path:
+    return cache_dir() / f"{run_key}.json"
+
+
+def _mismatch(meta: dict[str, Any], run_key: str, expected: dict[str, Any]) -> str | None:
+    """Why an entry's meta does not belong to this run (None: it does)."""
+    wanted = json.loads(json.dumps({name: expected.get(name) for name in SPEC_META},
+                                   default=str))
+    for name, value in wanted.items():
+        if meta.get(name) != value:
+            return f"its {name} is {meta.get(name)!r}, the run asks for {value!r}"
+    if meta["status"] != "finished":
+        return f"its run is {meta['status']}, only finished runs are cached"
+    if meta.get("cache_key") != run_key:
+        return "it was stored under another key"
+    modules = meta.get("user_modules")
+    if not isinstance(modules, dict) or not all(
+            isinstance(p, str) and isinstance(h, str) for p, h in modules.items()):
+        return "it has no valid user_modules record"
+    return None
+
+
+def _discard(path: Path, reason: str) -> None:
+    _warn(f"frame cache: discarded {path} ({reason}); running again")
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
+def _tables_digest(tables: dict[str, Any]) -> str:
+    """sha256 of a payload's tables (JSON-native, so the same before and after a save)."""
+    return hashlib.sha256(json.dumps(tables, sort_keys=True).encode()).hexdigest()
+
+
+def load(run_key: str, expected: dict[str, Any]) -> Frames | None:
+    """The cached frames of ``run_key``, or None. ``expected``: the run's meta before it
+    runs (workload, loop, patch, runner, sglang_version, server_args). An entry that is
+    unreadable, of another schema or shape, edited since it was stored, or whose meta does
+    not match ``expected`` is deleted with a :class:`CacheWarning`; one whose user modules
+    changed since it was stored is a plain miss (the new run replaces it)."""
+    path = _entry_path(run_key)
     if not path.exists():
         return None
     try:
-        frames = Frames.load(path)
-    except ValueError:
+        payload = read_payload(path)
+    except FramesFormatError as exc:
+        _discard(path, str(exc).removeprefix(f"{path}: "))
         return None
+    meta = payload["meta"]
+    problem = _mismatch(meta, run_key, expected)
+    if problem is None and meta.get("tables_sha256") != _tables_digest(payload["tables"]):
+        problem = "its tables changed after it was stored"
+    if problem is not None:
+        _discard(path, problem)
+        return None
+    if any(_file_hash(p) != h for p, h in meta["user_modules"].items()):
+        return None
+    frames = Frames.from_payload(payload)
+    for name in ("cache_key", "tables_sha256"):
+        del frames.meta[name]
     frames.meta["cached"] = True
     return frames
 
 
 def store(run_key: str, frames: Frames) -> None:
+    """Store a finished run (best effort: a failure is one :class:`CacheWarning` per
+    directory and process, and the run is unaffected). Runs that loaded a user module
+    whose file could not be read are not stored (they cannot be keyed)."""
     if frames.status != "finished":
         return
+    modules = frames.meta.get("user_modules")
+    if not isinstance(modules, dict) or None in modules.values():
+        unreadable = [p for p, h in (modules or {}).items() if h is None]
+        _warn(f"frame cache: not storing the run: it loaded modules whose source cannot "
+              f"be read ({', '.join(unreadable) or 'no module record'})",
+              once=f"unkeyable {unreadable}")
+        return
     directory = cache_dir()
+    try:
+        payload = frames.to_payload()
+        payload["meta"] = {**payload["meta"], "cache_key": run_key,
+                           "tables_sha256": _tables_digest(payload["tables"])}
+        _claim(directory)
+        write_payload(directory / f"{run_key}.json", payload)
+    except (OSError, TypeError, ValueError) as exc:
+        _warn(f"frame cache: could not store runs in {directory} ({exc}); they will run "
+              "again next time", once=f"store {directory}")
+
+
+def _is_default(directory: Path) -> bool:
+    return directory.resolve() == DEFAULT_DIR.resolve()
+
+
+def _claim(directory: Path) -> None:
+    """Create the cache directory and mark it as the cache's own, only when the cache
+    creates it, finds it empty, or it is the default one in the project checkout (a
+    directory of the user's keeps no marker, so :func:`clear` leaves it alone)."""
+    marker = directory / MARKER
+    if marker.exists():
+        return
     directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f".{run_key}.{os.getpid()}.tmp"
-    frames.save(tmp)
-    tmp.replace(directory / f"{run_key}.json")
+    if _is_default(directory) or not any(directory.iterdir()):
+        marker.write_text("contract_lib frame cache: `python -m contract_lib cache clear` "
+                          "deletes the <sha256>.json entries in this directory\n")
 
 
 def clear() -> int:
-    """Delete every cached run; returns how many there were."""
+    """Delete every cached run (and temporaries the cache left); returns how many runs
+    there were. Deletes only the cache's own file names, and only in a directory that
+    carries the cache's marker (or is the default one); raises :class:`CacheDirError` for
+    any other directory."""
     directory = cache_dir()
-    count = len(list(directory.glob("*.json"))) if directory.exists() else 0
-    shutil.rmtree(directory, ignore_errors=True)
-    return count
+    if not directory.exists():
+        return 0
+    if not (directory / MARKER).is_file() and not _is_default(directory):
+        raise CacheDirError(
+            f"{directory} is not a frame cache directory (no {MARKER} file): nothing "
+            "removed; delete its <sha256>.json files yourself if they are cache entries")
+    own = [path for path in directory.iterdir()
+           if _OWN_NAME.fullmatch(path.name) and path.is_file()]
+    for path in own:
+        path.unlink(missing_ok=True)
+    return sum(not path.name.startswith(".") for path in own)  # temporaries are not runs

@@ -12,6 +12,11 @@ records, and calls the original:
 - The forward launch: the torch model-free forward calls :meth:`Recorder.on_torch_launch`;
   on the MLX loop ``MlxTpModelWorker.async_forward_batch_generation_mlx`` (fresh) and
   ``async_chained_decode_mlx`` (chained) are wrapped on the instance.
+- ``ReqToTokenPool.write`` (class, in the child only): the one CPU-path writer of ``req_to_token`` in
+  0.5.21-0.5.23 (``alloc_for_extend`` via ``write_cache_indices``' non-Triton branch,
+  ``alloc_for_decode``, the radix caches' ``cache_unfinished_req``); every entry written
+  is attributed to the request holding that row at write time, so a ``slots`` entry
+  left by a row's previous holder shows as not ``written``.
 - :class:`BackendStateRecorder` wraps nothing: at each step boundary it reads the
   backend's per-request dicts and sets (table ``backend_state``, clause 7).
 """
@@ -70,7 +75,7 @@ class Recorder:
 
     Messages are ``("row", table, row)``, ``("rows", [(table, row), ...], slots)`` (a
     step boundary's whole frame, sent together as soon as it is taken; ``slots`` holds
-    ``(step, rid, req_pool_idx, [slot...], [free...])`` per live request) and ``("update", table,
+    ``(step, rid, req_pool_idx, [slot...], [free...], [written...])`` per live request) and ``("update", table,
     key, value, fields)``; nothing is buffered, so a dying child loses nothing taken.
     """
 
@@ -94,6 +99,9 @@ class Recorder:
         self.launch_ct = 0
         self.unprocessed: collections.deque[int] = collections.deque()
         self.relay_written: dict[int, tuple[int, str | None, int | None]] = {}
+        # Per req_to_token entry: the registry index (in ``reqs`` order) of the request
+        # that held the row when the entry was last written; -1 never written.
+        self.written_by: np.ndarray | None = None
         # Per request: kv_computed at the end of its last prefill/extend lane (clause 2's
         # decode_batch_idx counts the decode launches since).
         self.kv_prefilled: dict[str, int] = {}
@@ -124,6 +132,7 @@ class Recorder:
         if not self.capture:
             return  # feed and stop only: the baseline for the capture overhead
         s.process_batch_result = process_batch_result
+        self._install_row_write_hook()
         self._install_relay_hooks()
         if self.effects is not None:
             self.effects.install(s)
@@ -163,6 +172,41 @@ class Recorder:
 
         future_map.stash = stash
         future_map.stash_bonus_tokens = stash_bonus_tokens
+
+    def _install_row_write_hook(self) -> None:
+        """Wrap ``write`` on the class that defines it (not the instance), before the
+        effects recorder wraps the same class: its hook then still sees SGLang's caller."""
+        pool = self.s.req_to_token_pool
+        self.written_by = np.full(tuple(pool.req_to_token.shape), -1, dtype=np.int32)
+        owner = next(c for c in type(pool).__mro__ if "write" in vars(c))
+        real_write = owner.write
+        recorder = self
+
+        def write(obj, indices, values, *args, **kwargs):
+            out = real_write(obj, indices, values, *args, **kwargs)
+            if obj is pool:
+                recorder.on_row_write(indices)
+            return out
+
+        owner.write = write
+
+    def on_row_write(self, indices) -> None:
+        """Attribute the entries ``req_to_token[indices]`` just written to the request
+        holding each row (by index, whatever form ``indices`` takes)."""
+        import torch
+
+        marker = torch.zeros(self.written_by.shape, dtype=torch.bool)
+        marker[indices] = True
+        rows, positions = (t.numpy() for t in marker.nonzero(as_tuple=True))
+        holders = {row: self._row_holder(int(row)) for row in set(rows.tolist())}
+        self.written_by[rows, positions] = [holders[row] for row in rows.tolist()]
+
+    def _row_holder(self, row: int) -> int:
+        """Registry index of the request whose ``req_pool_idx`` is ``row`` (-1: none)."""
+        for index, req in enumerate(self.reqs.values()):
+            if req.kv.req_pool_idx == row:
+                return index
+        return -1
 
     def _install_mlx_launch_hooks(self) -> None:
         worker = self.s.tp_worker
@@ -353,9 +397,10 @@ class Recorder:
         free = self._free_slots()
         rtt = s.req_to_token_pool.req_to_token
         slot_rows = []
-        for rid, req in self.reqs.items():
+        for index, (rid, req) in enumerate(self.reqs.items()):
             kv = req.kv
             row = kv.req_pool_idx
+            reason = req.finished_reason.to_json() if req.finished_reason else {}
             rows.append(("requests", {
                 "step": step, "rid": rid, "prompt_len": len(req.origin_input_ids),
                 "emitted": len(req.output_ids), "finished": bool(req.finished()),
@@ -365,6 +410,8 @@ class Recorder:
                 "kv_allocated_len": kv.kv_allocated_len,
                 "cache_protected_len": kv.cache_protected_len,
                 "cached_tokens": req.cached_tokens,
+                "finish_reason": reason.get("type"), "finish_message": reason.get("message"),
+                "retractions": req.retraction_count,
                 "decode_batch_idx": getattr(req, "decode_batch_idx", None),
                 "kv_prefilled": self.kv_prefilled.get(rid),
             }))
@@ -372,7 +419,9 @@ class Recorder:
                 continue
             width = max(self.kv_computed.get(rid, 0), kv.kv_allocated_len)
             entries = rtt[row, :width].numpy()
-            slot_rows.append((step, rid, row, entries.tolist(), free[entries].tolist()))
+            written = (self.written_by[row, :width] == index).tolist()
+            slot_rows.append((step, rid, row, entries.tolist(), free[entries].tolist(),
+                              written))
         rows += [("backend_state", row) for row in self.backend.rows(step, self.reqs)]
         # One message: the step's frame, taken together (slots column-wise, expanded by
         # the parent into one row per position).

@@ -4,9 +4,13 @@
 SGLang release of ``run``, ``check`` and ``status``; ``status`` takes ``--sglang``
 several times to print the releases' clause tables side by side.
 
-Exit codes: 0 success (``check``: every clause holds), 1 a clause is violated or the run
-did not finish, 2 a usage or set-up error (unknown name, unsupported SGLang, bad patch,
-a release that could not be installed).
+Exit codes (one per outcome, :mod:`contract_lib.verdict`): 0 pass, 1 a clause violated
+(or the MLX KV pool damaged), 2 a usage or set-up error (unknown name, unsupported SGLang,
+bad patch, a release that could not be installed, a run that failed before its loop or
+would enter another loop), 3 the run did not finish (crashed, died, timeout), 4 vacuous
+(no clause exercised, or a request SGLang aborted that the workload does not expect),
+130 interrupted. ``run`` and ``trace`` judge only the runs' fate (0, 2, 3); ``status``
+exits 1 only for a violation on a torch reference loop.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from contract_lib.frames import Frames
 from contract_lib.harness import LOOPS, RUNNERS, RunSetupError, run
 from contract_lib.patches import BUILTIN_PATCHES, PatchError
 from contract_lib.report import run_summary, step_table
+from contract_lib.verdict import Outcome, setup_failed, worst
 from contract_lib.versions import (SUPPORTED_SGLANG_VERSIONS, SGLangInstallError,
                                    UnsupportedSGLangError)
 from contract_lib.workloads import WorkloadError
@@ -106,18 +111,18 @@ def _run(args) -> Frames:
     return frames
 
 
-def _setup_failed(frames: Frames) -> bool:
-    """The run never reached the loop (e.g. a bad server arg or a patch that would not
-    apply): a set-up error, exit code 2."""
-    error = frames.error or {}
-    return frames.status != "finished" and error.get("phase") == "setup"
+def _fate(frames: Frames) -> Outcome:
+    """A run's fate alone: set-up error (2), did not finish (3), else 0."""
+    if setup_failed(frames.meta):
+        return Outcome.USAGE
+    return Outcome.PASS if frames.status == "finished" else Outcome.NOT_FINISHED
 
 
 def cmd_run(args) -> int:
     frames = _run(args)
     print(run_summary(frames))
-    if _setup_failed(frames):
-        return 2
+    if setup_failed(frames.meta):
+        return Outcome.USAGE
     print()
     print(step_table(frames))
     if frames.meta.get("runner") == "real" and not frames.kv_pool.empty:
@@ -125,17 +130,18 @@ def cmd_run(args) -> int:
 
         print()
         print(pool_table(frames))
-    return 0 if frames.status == "finished" else 1
+    return _fate(frames)
 
 
 def cmd_check(args) -> int:
     from contract_lib.contract import check
 
     frames = _run(args)
-    if _setup_failed(frames):
-        print(run_summary(frames))
-        return 2
     report = check(frames, args.clauses)
+    if setup_failed(frames.meta):
+        print(run_summary(frames))
+        print(report.verdict().line())
+        return report.verdict().code
     print()
     print(report.text())
     kv_damaged = False
@@ -146,7 +152,7 @@ def cmd_check(args) -> int:
         print()
         print(f"KV pool (real MlxModelRunner): {'DAMAGED' if kv_damaged else 'intact'}")
         print(kvpool.pool_table(frames))
-    return 0 if report.ok and not kv_damaged else 1
+    return report.verdict(kv_damaged).code
 
 
 def cmd_status(args) -> int:
@@ -164,16 +170,19 @@ def cmd_status(args) -> int:
         print("\nthe torch reference loops violate the contract (a checker bug or an "
               "SGLang finding):")
         print(reference.to_string(index=False))
-        return 1
-    return 0
+    return result.outcome()
 
 
 def cmd_audit(args) -> int:
-    from contract_lib.audit import audit
+    from contract_lib.audit import AuditRunFailed, audit
 
-    result = audit(args.workload, patch="+".join(args.patch) if args.patch else None)
+    try:
+        result = audit(args.workload, patch="+".join(args.patch) if args.patch else None)
+    except AuditRunFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.outcome
     print(result.text())
-    return 0
+    return Outcome.PASS
 
 
 def cmd_trace(args) -> int:
@@ -187,14 +196,22 @@ def cmd_trace(args) -> int:
     path = write_trace(runs, out, wall_clock=args.wall_clock)
     print(f"trace of {', '.join(loops)} on {args.workload} written to {path}; open it in "
           "https://ui.perfetto.dev (Open trace file) or chrome://tracing")
-    return 0
+    for frames in runs:
+        if frames.status != "finished":
+            print(run_summary(frames))
+    return worst(_fate(frames) for frames in runs)
 
 
 def cmd_cache(args) -> int:
     from contract_lib import cache
 
     if args.action == "clear":
-        print(f"removed {cache.clear()} cached runs from {cache.cache_dir()}")
+        try:
+            removed = cache.clear()
+        except cache.CacheDirError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"removed {removed} cached runs from {cache.cache_dir()}")
     else:
         print(cache.cache_dir())
     return 0
@@ -211,7 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_options(run_parser)
     run_parser.set_defaults(handler=cmd_run)
     check_parser = commands.add_parser(
-        "check", help="run, then check the clauses; exit 0 when all hold, 1 if not")
+        "check", help="run, then check the clauses (--clauses); exit 0 pass, 1 a clause violated, "
+        "2 set-up error, 3 the run did not finish, 4 vacuous (see README)")
     _add_run_options(check_parser)
     _add_clauses_option(check_parser)
     check_parser.set_defaults(handler=cmd_check)

@@ -8,10 +8,13 @@ not finished; ``kv_computed`` is the number of its positions whose KV a launched
 has computed or queued (recorded at the model boundary).
 
 1. **Slots recorded** (field ``req_to_token``). For every live request and every position
-   ``p < kv_computed``, ``req_to_token[row, p]`` is a real slot: not the padding slot 0,
-   not free in the allocator, and not held by another live request (a slot both requests
-   hold at the same position inside their radix-protected prefix,
-   ``p < cache_protected_len``, is shared by design). Reader: the MLX decode-KV pool sync ``_sync_decode_kv_to_pool`` reads these
+   ``p < kv_computed``, ``req_to_token[row, p]`` is a real slot recorded for this request:
+   written into its row while it held the row (the allocator handed the slot to it, or it
+   is its own radix-matched prefix), not the padding slot 0, not free in the allocator,
+   and not held by another live request (a slot both requests hold at the same position
+   inside their radix-protected prefix, ``p < cache_protected_len``, is shared by
+   design). An entry the request never wrote is ``stale``: left by the row's previous
+   holder, it points at a slot the radix tree keeps for another request. Reader: the MLX decode-KV pool sync ``_sync_decode_kv_to_pool`` reads these
    entries as pool slot ids; radix insertion keys the request's slots by them.
 2. **Counters advanced** (fields ``seq_lens``, ``kv_committed_len``, ``kv_allocated_len``).
    For every live request, each counter equals ``kv_computed``: zero lag behind the
@@ -56,6 +59,7 @@ import pandas as pd
 from contract_lib.extensions import (EXTENDED_FIELDS, EXTENSION_CLAUSES, clause_checks,
                                      origin, sglang_finding)
 from contract_lib.frames import Frames, run_title
+from contract_lib.verdict import Outcome, Verdict, verdict
 
 CLAUSES: dict[int, str] = {
     1: "slots recorded",
@@ -74,6 +78,30 @@ VIOLATION_COLUMNS = ["clause", "name", "field", "loop", "step", "launch", "rid",
 
 class ContractViolation(AssertionError):
     """Raised by :func:`assert_contract`; the message starts ``clause N (name): field F``."""
+
+
+class UntrustedVerdict(ContractViolation):
+    """Raised by :func:`assert_contract` when no clause is violated but the run cannot
+    pass: ``outcome`` (:class:`contract_lib.verdict.Outcome`) says why, ``status`` is the
+    run's status; ``type`` and ``message`` are its error's, if any."""
+
+    def __init__(self, verdict_: Verdict, meta: dict[str, Any]) -> None:
+        error = meta.get("error") or {}
+        self.outcome = verdict_.outcome
+        self.status = meta.get("status")
+        self.type = error.get("type")
+        self.message = error.get("message")
+        super().__init__(f"{run_title(meta)}: {verdict_.outcome.label}: {verdict_.reason}")
+
+
+class RunDidNotFinish(UntrustedVerdict):
+    """The run crashed, died or timed out (or failed in set-up, or entered another loop
+    than the one asked for): the clauses it did not violate prove nothing."""
+
+
+class VacuousRun(UntrustedVerdict):
+    """The run finished but exercised no clause, or SGLang aborted a request the workload
+    did not declare as expected to be aborted."""
 
 
 @dataclasses.dataclass
@@ -100,12 +128,31 @@ class Report:
     meta: dict[str, Any]
     clauses: dict[int, ClauseResult]
     pool: pd.DataFrame
+    # Requests SGLang aborted: rid, message, expected (declared by the workload).
+    aborted: pd.DataFrame = dataclasses.field(
+        default_factory=lambda: pd.DataFrame(columns=ABORTED_COLUMNS))
     clause_set: str = "all"
 
     @property
     def ok(self) -> bool:
-        """True when no clause is violated (``holds`` or ``not-exercised`` everywhere)."""
-        return all(r.status in (HOLDS, NOT_EXERCISED) for r in self.clauses.values())
+        """True only for a pass: the requested loop ran to the end, no clause violated,
+        at least one exercised, no unexpected aborted request (see :meth:`verdict`)."""
+        return self.verdict().outcome == Outcome.PASS
+
+    def verdict(self, kv_damaged: bool = False) -> Verdict:
+        """The run's outcome and exit code (:mod:`contract_lib.verdict`)."""
+        return verdict(self, kv_damaged)
+
+    def vacuity(self) -> list[str]:
+        """Why a finished run proves nothing, unless its workload declares it expected:
+        requests SGLang aborted, or no clause exercised."""
+        expect = self.meta.get("expect") or {}
+        reasons = [f"SGLang aborted request {r.rid}: {r.message}"
+                   for r in self.aborted.itertuples(index=False) if not r.expected]
+        if (all(r.status == NOT_EXERCISED for r in self.clauses.values())
+                and not expect.get("vacuous")):
+            reasons.append("no clause was exercised")
+        return reasons
 
     @property
     def violations(self) -> pd.DataFrame:
@@ -166,6 +213,14 @@ class Report:
             first = self.pool.iloc[0]
             lines.append("")
             lines.append(f"KV pool: first leak at step {first['step']}: {first['explanation']}")
+        for r in self.aborted.itertuples(index=False):
+            lines.append("")
+            lines.append(f"request {r.rid} aborted by SGLang"
+                         f"{' (declared expected)' if r.expected else ''}: {r.message}")
+        outcome = self.verdict()
+        if outcome.outcome not in (Outcome.PASS, Outcome.VIOLATED) or not self.aborted.empty:
+            lines.append("")
+            lines.append(outcome.line())
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -211,7 +266,8 @@ def _ints(series: pd.Series) -> pd.Series:
 # -- clause 1 ------------------------------------------------------------------------------
 
 
-SLOT_STATES = ("recorded", "not computed", "slot 0", "free", "shared")
+SLOT_STATES = ("recorded", "not computed", "slot 0", "free", "shared", "stale")
+BAD_SLOT_STATES = ("slot 0", "free", "shared", "stale")
 
 
 def slot_states(frames: Frames) -> pd.DataFrame:
@@ -221,7 +277,10 @@ def slot_states(frames: Frames) -> pd.DataFrame:
     computed`` (``position >= kv_computed``: allocated ahead, not checked), or one of the
     violations ``slot 0`` (the padding slot), ``free`` (free in the allocator), ``shared``
     (held by another live request other than by radix sharing: the same position inside
-    both rows' protected prefix).
+    both rows' protected prefix), ``stale`` (an entry this request never wrote: left by
+    the row's previous holder, a slot the radix tree keeps for another request). The
+    first of ``slot 0``, ``free``, ``shared``, ``stale`` that applies wins. Frames
+    without the ``written`` column (older recordings) never show ``stale``.
     """
     live = _live(frames.requests)[["step", "rid", "kv_computed", "cache_protected_len"]]
     slots = frames.slots.merge(live, on=["step", "rid"], how="inner")
@@ -234,6 +293,8 @@ def slot_states(frames: Frames) -> pd.DataFrame:
                  | by_slot["private"].transform("any")))
     state = pd.Series("not computed", index=slots.index)
     state[computed] = "recorded"
+    written = slots["written"] if "written" in slots else pd.Series(True, index=slots.index)
+    state[computed & (written == False)] = "stale"  # noqa: E712 - None means unknown
     state[shared[shared].index] = "shared"
     state[computed & slots["slot_free"].astype(bool)] = "free"
     state[computed & (slots["slot"] == 0)] = "slot 0"
@@ -247,8 +308,8 @@ def check_slots(frames: Frames) -> ClauseResult:
     if checked.empty:
         return ClauseResult(1, NOT_EXERCISED, "no live request had a launched position",
                             _violations(1, loop, []))
-    bad = checked[checked["state"].isin(["slot 0", "free", "shared"])]
-    padding, free, shared = (bad["state"] == kind for kind in ("slot 0", "free", "shared"))
+    bad = checked[checked["state"].isin(BAD_SLOT_STATES)]
+    padding, free, shared, stale = (bad["state"] == kind for kind in BAD_SLOT_STATES)
     slot = "slot " + _ints(bad["slot"])
     others = pd.Series("", index=bad.index)
     if shared.any():
@@ -258,9 +319,14 @@ def check_slots(frames: Frames) -> ClauseResult:
                           for all_, own in zip(rids, bad.loc[shared, "rid"])]
     actual = slot.where(~free, slot + " (free)").where(~shared, slot + " (also held by "
                                                         + others + ")")
-    actual = actual.where(~padding, "slot 0")
+    actual = actual.where(~padding, "slot 0").where(
+        ~stale, slot + " (never written for " + bad["rid"] + ")")
     explanation = pd.Series(
         "another live request's slot: a pool sync would overwrite its KV", index=bad.index)
+    explanation = explanation.where(
+        ~stale, "an entry this request never wrote: left by the row's previous holder, a "
+                "slot the radix tree keeps for another request; a pool sync would "
+                "overwrite that request's cached KV")
     explanation = explanation.where(
         ~free, "a slot the allocator holds as free: a stale entry in a reused row")
     explanation = explanation.where(
@@ -435,21 +501,54 @@ CHECKS = {1: check_slots, 2: check_counters, 3: check_stamps, 4: check_relay,
           5: check_idle_predicate}
 
 
+# -- aborted requests ----------------------------------------------------------------------
+
+ABORTED_COLUMNS = ["rid", "message", "expected"]
+
+
+def aborted_requests(frames: Frames) -> pd.DataFrame:
+    """Requests whose last recorded ``finish_reason`` is SGLang's ``abort``, with its
+    message and whether the workload declares the abort expected (``[expect] aborted``).
+    Frames recorded without the ``finish_reason`` column have none."""
+    requests = frames.requests
+    if "finish_reason" not in requests or requests.empty:
+        return pd.DataFrame(columns=ABORTED_COLUMNS)
+    last = requests.sort_values("step", kind="stable").groupby("rid", sort=False).tail(1)
+    aborted = last[last["finish_reason"] == "abort"]
+    expected = set((frames.meta.get("expect") or {}).get("aborted", ()))
+    return pd.DataFrame({"rid": aborted["rid"].tolist(),
+                         "message": aborted["finish_message"].tolist(),
+                         "expected": [rid in expected for rid in aborted["rid"]]},
+                        columns=ABORTED_COLUMNS)
+
+
+
 def check(frames: Frames, clauses: str = "all") -> Report:
     """Check a clause set on one run's frames (whatever its status): ``"all"`` (the
-    RFC's five and this project's extensions) or ``"rfc"`` (the RFC's five only)."""
+    RFC's five and this project's extensions) or ``"rfc"`` (the RFC's five only); the
+    report's :meth:`Report.verdict` says whether the run earned a pass."""
     checks = clause_checks(clauses)
     return Report(meta=dict(frames.meta),
                   clauses={number: checks[number](frames) for number in sorted(checks)},
-                  pool=check_pool(frames), clause_set=clauses)
+                  pool=check_pool(frames), aborted=aborted_requests(frames),
+                  clause_set=clauses)
 
 
 def assert_contract(frames: Frames, clauses: str = "all") -> Report:
-    """Raise :class:`ContractViolation` for the lowest violated clause, else return the
-    report. For pytest: the message starts ``clause N (name): field F``."""
+    """Return the report of a run that passes, else raise.
+
+    :class:`ContractViolation` for the lowest violated clause (the message starts
+    ``clause N (name): field F``, for pytest), even from a run that did not finish;
+    otherwise :class:`RunDidNotFinish` (crashed, died, timeout, set-up failure, another
+    loop) or :class:`VacuousRun` (no clause exercised, an unexpected aborted request)."""
     report = check(frames, clauses)
     for result in report.clauses.values():
         first = result.first()
         if first is not None:
             raise ContractViolation(violation_message(first))
+    outcome = report.verdict()
+    if outcome.outcome == Outcome.VACUOUS:
+        raise VacuousRun(outcome, report.meta)
+    if outcome.outcome != Outcome.PASS:
+        raise RunDidNotFinish(outcome, report.meta)
     return report

@@ -11,9 +11,15 @@ Tables (pandas DataFrames; the column lists below are the schema):
 - ``steps``: one row per step boundary.
 - ``launches``: one row per forward launch (a ``run_batch`` forward, an MLX fresh or
   chained launch), completed when ``process_batch_result`` receives that launch's batch.
-- ``requests``: per step and request that SGLang knows about.
+- ``requests``: per step and request that SGLang knows about; ``finish_reason`` is the
+  ``type`` of SGLang's ``req.finished_reason`` (``length``, ``stop``, ``abort``; None
+  while running), ``finish_message`` its message (an abort's reason), ``retractions``
+  SGLang's own ``req.retraction_count``.
 - ``slots``: per step, live request and position, the ``req_to_token`` entry over every
-  position the request has or should have (``max(kv_computed, kv_allocated_len)``).
+  position the request has or should have (``max(kv_computed, kv_allocated_len)``);
+  ``written`` is True when that entry was written into the row while this request held
+  it (by ``ReqToTokenPool.write``: the allocator's slots and its own radix-matched
+  prefix), False when it is left over from the row's previous holder or never written.
 - ``relay``: every read of ``future_map.output_tokens_buf`` by ``resolve_forward_inputs``
   and every write to it. The buffer is poisoned with -1 at construction.
 - ``outputs``: the emitted token ids per request, at the end of the run.
@@ -49,7 +55,9 @@ from typing import Any
 
 import pandas as pd
 
-SCHEMA_VERSION = 4
+from contract_lib.atomic import atomic_write
+
+SCHEMA_VERSION = 5
 
 COLUMNS: dict[str, list[str]] = {
     "steps": [
@@ -67,9 +75,10 @@ COLUMNS: dict[str, list[str]] = {
     "requests": [
         "step", "rid", "prompt_len", "emitted", "finished", "req_pool_idx", "seq_len",
         "kv_computed", "kv_committed_len", "kv_allocated_len", "cache_protected_len",
-        "cached_tokens", "decode_batch_idx", "kv_prefilled",
+        "cached_tokens", "finish_reason", "finish_message", "retractions",
+        "decode_batch_idx", "kv_prefilled",
     ],
-    "slots": ["step", "rid", "req_pool_idx", "position", "slot", "slot_free"],
+    "slots": ["step", "rid", "req_pool_idx", "position", "slot", "slot_free", "written"],
     "relay": [
         "event", "step", "launch", "loop", "kind", "row", "rid", "value",
         "last_published", "published_for_rid",
@@ -87,6 +96,13 @@ WALL_CLOCK_COLUMNS: dict[str, list[str]] = {
 }
 
 STATUSES = ("finished", "crashed", "timeout", "died")
+
+# The meta entries every frames file has, with their JSON types (``object``: any).
+META_TYPES: dict[str, tuple[type, ...]] = {
+    "workload": (str,), "loop": (str,), "patch": (str, type(None)), "runner": (str,),
+    "sglang_version": (str,), "status": (str,), "error": (dict, type(None)),
+    "server_args": (dict,),
+}
 
 
 def run_title(meta: dict[str, Any]) -> str:
@@ -109,8 +125,11 @@ class Frames:
 
     ``meta`` holds ``workload``, ``loop``, ``patch``, ``runner`` (``model-free`` or
     ``real``), ``sglang_version``, ``status`` (one of ``STATUSES``), ``error`` (type,
-    message, traceback, signal; None when finished), ``shims`` (the shims applied) and
-    ``server_args`` (the overrides used); real-runner runs add ``kv_pool``.
+    message, traceback, signal; None when finished), ``shims`` (the shims applied),
+    ``server_args`` (the overrides used), ``expect`` (the workload's declared expected
+    outcomes), ``loop_function`` (the SGLang event-loop function the run entered) and
+    ``enable_overlap`` / ``enable_overlap_mlx`` (the scheduler's flags after
+    construction); real-runner runs add ``kv_pool``.
     """
 
     tables: dict[str, pd.DataFrame]
@@ -146,12 +165,11 @@ class Frames:
             for name, table in self.tables.items()
         }
 
-    def save(self, path: str | Path) -> Path:
-        """Write one JSON file: ``{"schema_version", "meta", "tables": {name: {columns,
-        data}}}`` (pandas "split" orientation without the index)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        payload = {
+    def to_payload(self) -> dict[str, Any]:
+        """The JSON-native content of a frames file: ``{"schema_version", "meta",
+        "tables": {name: {columns, data}}}`` (pandas "split" orientation without the
+        index)."""
+        return {
             "schema_version": SCHEMA_VERSION,
             "meta": self.meta,
             "tables": {
@@ -159,26 +177,26 @@ class Frames:
                 for name, table in self.tables.items()
             },
         }
-        path.write_text(json.dumps(payload, indent=1, sort_keys=False) + "\n")
-        return path
+
+    def save(self, path: str | Path) -> Path:
+        """Write one JSON file (:meth:`to_payload`). Atomic: a failed or interrupted save
+        leaves the previous file as it was."""
+        return write_payload(path, self.to_payload())
+
+    @classmethod
+    def from_payload(cls, payload: dict[str, Any]) -> "Frames":
+        """Frames from a payload :func:`read_payload` accepted."""
+        tables = {
+            name: pd.DataFrame(payload["tables"][name]["data"], columns=columns)
+            for name, columns in COLUMNS.items()
+        }
+        return cls(tables=tables, meta=payload["meta"])
 
     @classmethod
     def load(cls, path: str | Path) -> "Frames":
-        path = Path(path)
-        try:
-            payload = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise FramesFormatError(f"{path}: not a frames file ({exc})") from exc
-        version = payload.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise FramesFormatError(
-                f"{path}: frames schema version {version!r}, this contract_lib reads "
-                f"version {SCHEMA_VERSION}; re-record the run with this version")
-        tables = {
-            name: pd.DataFrame(body["data"], columns=body["columns"])
-            for name, body in payload["tables"].items()
-        }
-        return cls(tables=tables, meta=payload["meta"])
+        """Read a file written by :meth:`save`; anything else raises
+        :class:`FramesFormatError` (see :func:`read_payload`)."""
+        return cls.from_payload(read_payload(path))
 
     @classmethod
     def from_rows(cls, rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> "Frames":
@@ -188,3 +206,69 @@ class Frames:
             for name, columns in COLUMNS.items()
         }
         return cls(tables=tables, meta=meta)
+
+
+def write_payload(path: str | Path, payload: dict[str, Any]) -> Path:
+    """Write a frames payload as JSON, atomically (:func:`contract_lib.atomic.atomic_write`)."""
+    path = Path(path)
+    with atomic_write(path) as handle:
+        handle.write(json.dumps(payload, indent=1, sort_keys=False) + "\n")
+    return path
+
+
+def read_payload(path: str | Path) -> dict[str, Any]:
+    """The payload of a frames file, checked against this schema. Anything else
+    (unreadable, not JSON, another schema version, missing or extra tables or columns,
+    rows of the wrong length, meta of the wrong shape) raises :class:`FramesFormatError`
+    naming the file and the problem."""
+    path = Path(path)
+    try:
+        payload = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: JSON, UTF-8
+        raise FramesFormatError(f"{path}: not a frames file ({exc})") from exc
+    if not isinstance(payload, dict):
+        raise FramesFormatError(f"{path}: not a frames file (a JSON "
+                                f"{type(payload).__name__}, not an object)")
+    version = payload.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise FramesFormatError(
+            f"{path}: frames schema version {version!r}, this contract_lib reads "
+            f"version {SCHEMA_VERSION}; re-record the run with this version")
+    problem = _meta_problem(payload.get("meta")) or _tables_problem(payload.get("tables"))
+    if problem:
+        raise FramesFormatError(f"{path}: not a frames file of schema version "
+                                f"{SCHEMA_VERSION}: {problem}")
+    return payload
+
+
+def _meta_problem(meta: Any) -> str | None:
+    """What is wrong with a loaded ``meta`` (None: nothing)."""
+    if not isinstance(meta, dict):
+        return f"meta is a {type(meta).__name__}, not an object"
+    for name, types in META_TYPES.items():
+        if name not in meta:
+            return f"meta has no {name!r}"
+        if not isinstance(meta[name], types):
+            return f"meta {name!r} is a {type(meta[name]).__name__}"
+    if meta["status"] not in STATUSES:
+        return f"meta 'status' is {meta['status']!r}, not one of {', '.join(STATUSES)}"
+    return None
+
+
+def _tables_problem(tables: Any) -> str | None:
+    """What is wrong with loaded ``tables`` against :data:`COLUMNS` (None: nothing)."""
+    if not isinstance(tables, dict):
+        return f"tables is a {type(tables).__name__}, not an object"
+    if set(tables) != set(COLUMNS):
+        missing, extra = sorted(set(COLUMNS) - set(tables)), sorted(set(tables) - set(COLUMNS))
+        return f"tables missing {missing}, unknown {extra}"
+    for name, columns in COLUMNS.items():
+        body = tables[name]
+        if not isinstance(body, dict) or body.get("columns") != columns:
+            found = body.get("columns") if isinstance(body, dict) else body
+            return f"table {name!r} has columns {found!r}, expected {columns}"
+        data = body.get("data")
+        if not isinstance(data, list) or not all(
+                isinstance(row, list) and len(row) == len(columns) for row in data):
+            return f"table {name!r}: data is not a list of rows of {len(columns)} values"
+    return None

@@ -28,6 +28,7 @@ from contract_lib import cache as frame_cache
 from contract_lib.frames import Frames
 from contract_lib.patches import PatchArg, patch_spec
 from contract_lib.pool import POOL, child_env
+from contract_lib.verdict import LOOP_FUNCTIONS
 from contract_lib.versions import require_supported_sglang, sglang_path
 from contract_lib.workloads import Workload, load_workload
 
@@ -64,6 +65,11 @@ DEFAULT_HANG_TIMEOUT_S = 300.0
 
 class RunSetupError(ValueError):
     """Bad input to :func:`run`: an unknown loop, workload or patch."""
+
+
+class LoopMismatch(RuntimeError):
+    """(In the child.) The server args make SGLang enter another event loop than the one
+    asked for; the run stops in set-up, before the loop, naming the argument."""
 
 
 def run(
@@ -136,7 +142,7 @@ def run(
     use_cache = cache and capture and frame_cache.enabled()
     if use_cache:
         run_key = frame_cache.key(spec, sglang_dir)
-        hit = frame_cache.load(run_key)
+        hit = frame_cache.load(run_key, meta)
         if hit is not None:
             return hit
     child_spec = {**spec, "sglang_dir": None if sglang_dir is None else str(sglang_dir)}
@@ -277,9 +283,9 @@ def _slot_rows(per_request: list[tuple]) -> list[dict[str, Any]]:
     """Expand the column-wise slot message into one row per (step, request, position)."""
     return [
         {"step": step, "rid": rid, "req_pool_idx": row, "position": position,
-         "slot": slot, "slot_free": free}
-        for step, rid, row, slots, frees in per_request
-        for position, (slot, free) in enumerate(zip(slots, frees))
+         "slot": slot, "slot_free": free, "written": written}
+        for step, rid, row, slots, frees, writtens in per_request
+        for position, (slot, free, written) in enumerate(zip(slots, frees, writtens))
     ]
 
 
@@ -329,6 +335,8 @@ def child_run(spec: dict[str, Any], conn: Connection) -> None:
             status, error = "finished", None
         elif isinstance(exc, StepBudgetExceeded):
             status, error = "timeout", _error(str(exc), exc, phase)
+        elif isinstance(exc, LoopMismatch):  # raised at loop entry, before any step
+            status, error = "crashed", _error(str(exc), exc, "setup")
         else:
             status, error = "crashed", _error(str(exc), exc, phase)
     if recorder is not None:
@@ -340,6 +348,7 @@ def child_run(spec: dict[str, Any], conn: Connection) -> None:
             if status == "finished":
                 status, error = "crashed", _error(str(exc), exc, "kv-pool-inspection")
     timing["total_s"] = time.perf_counter() - started
+    emit(("meta", {"user_modules": frame_cache.user_modules()}))  # the cache verifies them
     emit(("meta", {"timing": timing}))
     emit(("end", status, error))
     conn.close()
@@ -397,6 +406,8 @@ def _build(spec: dict[str, Any], emit, timing: dict[str, float]):
             "disable_overlap_schedule": loop == "normal",
             **workload.server_args, **spec["server_args"]}
     server_args = ServerArgs(**args)
+    _check_overlap_arg(loop, server_args, args, workload.server_args, spec["server_args"],
+                       ServerArgs)
     port_args = PortArgs.init_new(server_args)
     runtime_context.publish(server_args, role="scheduler", ranks=runtime_context.SpawnRanks(
         world_rank=0, dp_rank=None, gpu_id=0))
@@ -408,7 +419,10 @@ def _build(spec: dict[str, Any], emit, timing: dict[str, float]):
     timing["build_s"] = time.perf_counter() - built
     scheduler.request_receiver = shims.ScriptedReceiver()
     applied.append("scripted-ingress")
-    emit(("meta", {"shims": applied}))
+    emit(("meta", {"shims": applied, "expect": workload.expect,
+                   "enable_overlap": bool(scheduler.enable_overlap),
+                   "enable_overlap_mlx": bool(scheduler.enable_overlap_mlx)}))
+    _record_loop_entry(scheduler, loop, emit)
     recorder = Recorder(scheduler, loop, workload, emit, capture=spec.get("capture", True),
                         audit=spec.get("audit", False))
     holder["recorder"] = recorder
@@ -420,6 +434,63 @@ def _build(spec: dict[str, Any], emit, timing: dict[str, float]):
         kv_recorder = KvPoolRecorder(scheduler, recorder, emit, model_dir)
         kv_recorder.install()
     return scheduler, recorder, kv_recorder
+
+
+def _check_overlap_arg(loop: str, server_args, args: dict[str, Any],
+                       workload_args: dict[str, Any], cli_args: dict[str, Any],
+                       server_args_class) -> None:
+    """Refuse, before the Scheduler is built, server args that turn the requested loop
+    into another: SGLang picks the loop from ``disable_overlap_schedule`` (the normal loop
+    when set, else the overlap or MLX overlap loop). Names the argument responsible: the
+    override that sets it, or the one whose removal restores the loop (ServerArgs' own
+    post-init hooks can set it from other arguments)."""
+    wanted = loop == "normal"
+    actual = bool(server_args.disable_overlap_schedule)
+    if actual == wanted:
+        return
+    sources = [("--server-arg", cli_args), ("workload [server_args]", workload_args)]
+    culprit = next((f"{where} disable_overlap_schedule={given['disable_overlap_schedule']!r}"
+                    for where, given in sources if "disable_overlap_schedule" in given), None)
+    if culprit is None:
+        for where, given in sources:
+            for key in given:
+                trial = {k: v for k, v in args.items() if k != key}
+                trial["disable_overlap_schedule"] = wanted
+                try:
+                    restored = bool(server_args_class(**trial).disable_overlap_schedule)
+                except Exception:  # noqa: BLE001 - a trial that does not build proves nothing
+                    continue
+                if restored == wanted:
+                    culprit = f"{where} {key}={given[key]!r}"
+                    break
+            if culprit:
+                break
+    entered = (LOOP_FUNCTIONS["normal"] if actual else
+               LOOP_FUNCTIONS["mlx" if loop == "mlx" else "overlap"])
+    raise LoopMismatch(
+        f"--loop {loop} needs disable_overlap_schedule={wanted}, but "
+        f"{culprit or 'the server args'} make(s) it {actual}: SGLang would run {entered} "
+        f"instead of {LOOP_FUNCTIONS[loop]}; remove that argument or choose that loop")
+
+
+def _record_loop_entry(scheduler, loop: str, emit) -> None:
+    """Wrap every ``event_loop_*`` method of the instance: the one SGLang's dispatch
+    enters is recorded in the run's meta (``loop_function``), and one that is not the
+    requested loop's stops the run before its first step (:class:`LoopMismatch`)."""
+    wanted = LOOP_FUNCTIONS[loop]
+    for name in [n for n in dir(type(scheduler)) if n.startswith("event_loop_")]:
+        real = getattr(scheduler, name)
+
+        def entered(*args, _name=name, _real=real, **kwargs):
+            emit(("meta", {"loop_function": _name}))
+            if _name != wanted:
+                raise LoopMismatch(
+                    f"--loop {loop} asked for {wanted}, but SGLang's dispatch entered "
+                    f"{_name} (enable_overlap={scheduler.enable_overlap}, "
+                    f"enable_overlap_mlx={scheduler.enable_overlap_mlx})")
+            return _real(*args, **kwargs)
+
+        setattr(scheduler, name, entered)
 
 
 def _check_sglang_release(spec: dict[str, Any]) -> None:

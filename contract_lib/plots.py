@@ -204,8 +204,9 @@ SLOT_STATES = {
     "slot 0": ("slot 0: never recorded (padding slot)", VERMILLION),
     "free": ("a free slot: stale entry", ORANGE),
     "shared": ("held by another live request", PURPLE),
+    "stale": ("never written for this request: the row's previous holder's slot", "#8c510a"),
 }
-_BAD_STATES = ("slot 0", "free", "shared")
+_BAD_STATES = ("slot 0", "free", "shared", "stale")
 
 
 def slot_states(frames: Frames) -> pd.DataFrame:

@@ -66,4 +66,9 @@ def run_summary(frames: Frames) -> str:
         lines.append(f"  {error['type']} during {error['phase']}: {error['message']}")
         if error.get("traceback"):
             lines.append("  " + error["traceback"].rstrip().splitlines()[-1])
+    from contract_lib.contract import aborted_requests
+
+    for r in aborted_requests(frames).itertuples(index=False):
+        lines.append(f"  request {r.rid} aborted by SGLang"
+                     f"{' (declared expected)' if r.expected else ''}: {r.message}")
     return "\n".join(lines)

@@ -15,18 +15,53 @@ from contract_lib.contract import (CLAUSES, HOLDS, MASKED, NOT_EXERCISED, VIOLAT
 from contract_lib.extensions import EXTENDED_FIELDS, origin, sglang_finding
 from contract_lib.harness import LOOPS, run_many
 from contract_lib.patches import PatchArg, patch_spec
+from contract_lib.verdict import Outcome, loop_mismatch, setup_failed, worst
 from contract_lib.workloads import workload_names
 
 # The extra row of a real-runner table: did a run write KV through slot 0 or into another
 # live request's slots, or leave a radix-matched slot zero or wrong (contract_lib.kvpool)?
 KV_POOL_ROW = "- KV pool (real MlxModelRunner)"
 
+# A run's clause cell: a violation found in its frames shows whatever became of the run
+# (it is evidence); otherwise a run that did not reach the end of its loop shows its fate
+# (``setup-error`` for a run that never entered the requested loop, else the run status),
+# and a finished but vacuous run (no clause exercised, an unexpected aborted request)
+# shows ``vacuous``: none of them earned ``holds``.
+SETUP_ERROR, VACUOUS = "setup-error", "vacuous"
 # Worst first: the status a (clause, loop) cell shows over several workloads.
-_SEVERITY = [VIOLATED, MASKED, HOLDS, NOT_EXERCISED]
+_SEVERITY = [VIOLATED, MASKED, SETUP_ERROR, "crashed", "died", "timeout", VACUOUS, HOLDS,
+             NOT_EXERCISED]
 REFERENCE_LOOPS = ("normal", "overlap")
 # The cell of a (clause, loop) whose every violating run is a catalogued SGLang-wide bug
 # (contract_lib.extensions.sglang_finding): reported, and not a reference-loop failure.
 SGLANG_WIDE = "sglang-wide bug"
+
+
+def run_cell_status(report: Report) -> str | None:
+    """What a run's non-violated clause cells show instead of their own status, or None
+    when the run earned its clause statuses."""
+    meta = report.meta
+    if setup_failed(meta) or loop_mismatch(meta):
+        return SETUP_ERROR
+    if meta["status"] != "finished":
+        return meta["status"]
+    return VACUOUS if report.vacuity() else None
+
+
+def run_outcome(report: Report, reference: bool) -> Outcome:
+    """A run's contribution to ``status``'s exit code: its fate, and a clause violation
+    only on a reference (torch) loop and not as a catalogued SGLang-wide bug
+    (:func:`contract_lib.extensions.sglang_finding`); the MLX loop's violations are the
+    measurement."""
+    outcome = report.verdict().outcome
+    if outcome != Outcome.VIOLATED:
+        return outcome
+    if report.meta["status"] != "finished":
+        return Outcome.NOT_FINISHED
+    if reference and any(r.status in (VIOLATED, MASKED) and not sglang_finding(n, r)
+                         for n, r in report.clauses.items()):
+        return Outcome.VIOLATED  # a catalogued SGLang-wide bug is reported, not failed
+    return Outcome.VACUOUS if report.vacuity() else Outcome.PASS
 
 
 @dataclasses.dataclass
@@ -43,9 +78,13 @@ class Status:
         """One row per (workload, loop, clause) with that run's status."""
         rows = []
         for (workload, loop), report in self.reports.items():
+            fate = run_cell_status(report)
             for number, result in report.clauses.items():
+                shown = result.status if result.status in (VIOLATED, MASKED) else (
+                    fate or result.status)
                 rows.append({"workload": workload, "loop": loop, "clause": number,
-                             "name": CLAUSES[number], "status": result.status,
+                             "name": CLAUSES[number], "status": shown,
+                             "clause_status": result.status,
                              "violations": len(result.violations),
                              "finding": sglang_finding(number, result)})
         return pd.DataFrame(rows)
@@ -78,8 +117,20 @@ class Status:
         return pd.DataFrame(rows).set_index("clause")
 
     def runs_not_finished(self) -> list[tuple[str, str, str]]:
-        return [(w, l, r.meta["status"]) for (w, l), r in self.reports.items()
-                if r.meta["status"] != "finished"]
+        """(workload, loop, what happened) of every run that did not earn its clause
+        statuses: not finished, set-up error, vacuous."""
+        out = []
+        for (w, l), r in self.reports.items():
+            fate = run_cell_status(r)
+            if fate is not None:
+                out.append((w, l, f"{fate}: {r.verdict().reason}"))
+        return out
+
+    def outcome(self) -> Outcome:
+        """The exit code of ``status``: a run that did not finish (3), failed in set-up
+        (2) or was vacuous (4), or a violation on a torch reference loop (1)."""
+        return worst(run_outcome(r, loop in REFERENCE_LOOPS)
+                     for (_, loop), r in self.reports.items())
 
     def reference_violations(self) -> pd.DataFrame:
         """Violations on the torch loops, which must satisfy every clause, except the
@@ -204,6 +255,9 @@ class ReleasesStatus:
             bad = s.reference_violations()
             frames.append(bad.assign(sglang=s.sglang))
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+    def outcome(self) -> Outcome:
+        return worst(s.outcome() for s in self.statuses)
 
 
 def releases_status(versions: list[str | None], workloads: list[str] | None = None,

@@ -1,8 +1,9 @@
 """Step traces in the Chrome trace event format, for ui.perfetto.dev and chrome://tracing.
 
 One process per loop, so several loops sit side by side. Tracks (threads) per process:
-``scheduler step`` (one slice per step boundary-to-boundary, violations as instant events
-on it), ``launches: fresh #k`` and ``launches: chained #k`` (one slice per launch, from
+``scheduler step`` (one slice per step boundary-to-boundary), ``violations: clause N``
+(one instant event per step, field and request, with the count and the first violation's
+expected and actual), ``launches: fresh #k`` and ``launches: chained #k`` (one slice per launch, from
 its launch step to the step ``process_batch_result`` received it; launches are spread
 over numbered lanes so no two slices on a track overlap, which Perfetto rejects), and one
 track per request (arrival to finish). Counter tracks per request: tokens computed,
@@ -21,6 +22,7 @@ from typing import Any
 
 import pandas as pd
 
+from contract_lib.atomic import atomic_write
 from contract_lib.contract import Report, check
 from contract_lib.frames import Frames
 
@@ -141,14 +143,21 @@ def trace_events(frames: Frames, report: Report | None = None, *, pid: int = 1,
                            "args": {k: (0 if pd.isna(v) else int(v))
                                     for k, v in values.items()}})
 
-    step_tid = tid("scheduler step")
-    for v in report.violations.itertuples(index=False):
+    violations = report.violations
+    groups = violations.groupby(["clause", "step", "field", "rid"], sort=True, dropna=False)
+    for index, ((clause, step, field, rid), group) in enumerate(groups):
+        first = group.iloc[0]
+        # One track per violated clause, one instant per (step, field, request) with the
+        # count, spread inside the step so that no two instants share a timestamp (a
+        # viewer nests same-time instants into rows, pushing the other tracks away).
+        offset = (index % 50 + 1) * duration(step) / 52
         events.append({
-            "ph": "i", "s": "t", "name": f"clause {v.clause} {v.field}", "cat": "violation",
-            "pid": pid, "tid": step_tid, "ts": start(v.step) + duration(v.step) / 2,
-            "args": {"clause": int(v.clause), "field": v.field, "expected": str(v.expected),
-                     "actual": str(v.actual), "rid": _plain(v.rid),
-                     "explanation": v.explanation}})
+            "ph": "i", "s": "t", "name": f"clause {clause} {field}", "cat": "violation",
+            "pid": pid, "tid": tid(f"violations: clause {clause}"),
+            "ts": start(step) + offset,
+            "args": {"clause": int(clause), "field": field, "rid": _plain(rid),
+                     "count": len(group), "expected": str(first["expected"]),
+                     "actual": str(first["actual"]), "explanation": first["explanation"]}})
     return events
 
 
@@ -163,8 +172,10 @@ def build_trace(runs: list[Frames], *, wall_clock: bool = False) -> dict[str, An
 
 
 def write_trace(runs: list[Frames], path: str | Path, *, wall_clock: bool = False) -> Path:
+    """Write the trace of ``runs`` to ``path`` (atomically: a failed write leaves the
+    previous file)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(build_trace(runs, wall_clock=wall_clock), indent=None,
-                               separators=(",", ":"), default=str) + "\n")
+    with atomic_write(path) as handle:
+        handle.write(json.dumps(build_trace(runs, wall_clock=wall_clock), indent=None,
+                                separators=(",", ":"), default=str) + "\n")
     return path

@@ -22,6 +22,14 @@ A workload is a TOML file under ``data/workloads/``::
     max_new_tokens = 4
     arrival = 20                   # earliest step; held until "a" has finished
 
+    [expect]                       # optional: outcomes the workload means to produce
+    aborted = ["a2"]               # requests SGLang is expected to abort (e.g. a prompt
+                                   # longer than the model's context)
+    vacuous = true                 # no clause is expected to be exercised
+
+Without ``[expect]``, a request SGLang aborts or a run that exercises no clause makes
+``check`` exit 4 (vacuous, :mod:`contract_lib.verdict`).
+
 Token ids below 10 are reserved (the fake model never emits them; 2 is EOS).
 """
 
@@ -33,6 +41,9 @@ from pathlib import Path
 from typing import Any
 
 WORKLOAD_DIR = Path(__file__).resolve().parent.parent / "data" / "workloads"
+
+
+EXPECT_KEYS = {"aborted", "vacuous"}
 
 
 class WorkloadError(ValueError):
@@ -63,6 +74,8 @@ class Workload:
     description: str = ""
     server_args: dict[str, Any] = dataclasses.field(default_factory=dict)
     max_steps: int = 200
+    # Declared expected outcomes: ``aborted`` (request ids), ``vacuous`` (bool).
+    expect: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def request(self, rid: str) -> RequestSpec:
         for spec in self.requests:
@@ -83,6 +96,7 @@ class Workload:
                 description=str(raw.get("description", "")).strip(),
                 server_args=dict(raw.get("server_args", {})),
                 max_steps=int(raw.get("max_steps", 200)),
+                expect=dict(raw.get("expect", {})),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise WorkloadError(f"{source}: invalid workload ({exc!r})") from exc
@@ -104,6 +118,24 @@ class Workload:
                 raise WorkloadError(f"{source}: request {spec.rid!r} uses reserved ids < 10")
             if spec.max_new_tokens < 1:
                 raise WorkloadError(f"{source}: request {spec.rid!r} needs max_new_tokens >= 1")
+        self._validate_expect(source, rids)
+
+    def _validate_expect(self, source: str, rids: list[str]) -> None:
+        unknown = set(self.expect) - EXPECT_KEYS
+        if unknown:
+            raise WorkloadError(f"{source}: unknown [expect] key(s) {sorted(unknown)}; "
+                                f"valid keys: {', '.join(sorted(EXPECT_KEYS))}")
+        aborted = self.expect.get("aborted", [])
+        if not isinstance(aborted, list) or not all(isinstance(r, str) for r in aborted):
+            raise WorkloadError(f"{source}: [expect] aborted must be a list of request ids, "
+                                f"got {aborted!r}")
+        missing = [r for r in aborted if r not in rids]
+        if missing:
+            raise WorkloadError(f"{source}: [expect] aborted names unknown request(s) "
+                                f"{missing}; the workload's requests: {rids}")
+        if not isinstance(self.expect.get("vacuous", False), bool):
+            raise WorkloadError(f"{source}: [expect] vacuous must be true or false, got "
+                                f"{self.expect['vacuous']!r}")
 
 
 def _request_from_dict(raw: dict[str, Any]) -> RequestSpec:

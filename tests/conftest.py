@@ -24,3 +24,11 @@ def run_cached():
     """
     return lambda workload, loop, patch=None, runner="model-free", sglang=None: (
         _cached_run(workload, loop, patch, runner, sglang))
+
+
+@pytest.fixture()
+def private_cache(tmp_path, monkeypatch):
+    """A frame cache of the test's own (enabled), in ``tmp_path / "frames"``."""
+    monkeypatch.setenv("CONTRACT_LIB_CACHE_DIR", str(tmp_path / "frames"))
+    monkeypatch.delenv("CONTRACT_LIB_NO_CACHE", raising=False)
+    return tmp_path / "frames"

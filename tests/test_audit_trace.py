@@ -7,6 +7,7 @@ import json
 import pytest
 
 from contract_lib.audit import audit, readers
+from contract_lib.contract import check
 from contract_lib.trace import build_trace
 
 
@@ -83,7 +84,17 @@ def test_trace_is_valid_nested_and_byte_stable(run_cached):
     # the torch loop violates only clause 6, the SGLang-wide HRRN clock bug
     assert violations and all(e["pid"] == 2 or e["args"]["clause"] == 6 for e in violations)
     assert {e["args"]["clause"] for e in violations if e["pid"] == 2} >= {1, 2, 6, 7}
-    assert {"clause", "field", "expected", "actual"} <= set(violations[0]["args"])
+    assert {"clause", "field", "expected", "actual", "count"} <= set(violations[0]["args"])
+    # Violations sit on their own per-clause tracks, never two at one time on a track
+    # (a viewer would nest them into rows and push the other tracks off the screen).
+    track_names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+                   if e["name"] == "thread_name"}
+    assert all(track_names[(e["pid"], e["tid"])].startswith("violations: clause ")
+               for e in violations)
+    stamps = [(e["tid"], e["ts"]) for e in violations]
+    assert len(stamps) == len(set(stamps))
+    assert sum(e["args"]["count"] for e in violations if e["pid"] == 2) == len(
+        check(runs[1]).violations)
     assert json.dumps(build_trace(runs)) == json.dumps(trace)
 
 

@@ -34,13 +34,6 @@ def test_runs_do_not_leak_state_between_forked_children():
     assert probe_idle_in_flight(plain)  # the patch did not survive into this run
 
 
-@pytest.fixture()
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("CONTRACT_LIB_CACHE_DIR", str(tmp_path / "frames"))
-    monkeypatch.delenv("CONTRACT_LIB_NO_CACHE", raising=False)
-    return tmp_path / "frames"
-
-
 def _spec(**changes):
     spec = {"workload": contract_lib.load_workload("two-turn").to_dict(), "loop": "mlx",
             "patch": None, "server_args": {}, "capture": True}

@@ -65,6 +65,15 @@ def test_clause1_fails_on_slot_shared_with_another_live_request(good):
     assert "also held by b" in first["actual"]
 
 
+def test_clause1_fails_on_entry_left_by_the_rows_previous_holder(good):
+    """A real slot, not free, held by no other live request, but never written into the
+    row for this request (e.g. a finished request's radix-cached slot): stale."""
+    good.slots.loc[_live_slot(good), "written"] = False
+    first = _only(check(good), 1)
+    assert first["actual"].endswith("(never written for a)")
+    assert "previous holder" in first["explanation"]
+
+
 def test_clause2_fails_on_lagging_counter(good):
     r = good.requests
     row = r[(r.step == 7) & (r.rid == "b")].index[0]

@@ -50,7 +50,7 @@ def test_launch_timeline_counts_chained_launches(two_turn):
 def test_slot_states_agree_with_clause_1(two_turn, run_cached):
     for frames in (*two_turn.values(), run_cached("two-turn", "mlx", "fix-chained-accounting")):
         states = plots.slot_states(frames)
-        bad = states["state"].isin(["slot 0", "free", "shared"]).sum()
+        bad = states["state"].isin(["slot 0", "free", "shared", "stale"]).sum()
         assert bad == len(check(frames).clauses[1].violations)
     assert (plots.slot_states(two_turn["mlx"])["state"] == "slot 0").any()
 

@@ -57,3 +57,15 @@ def undo_stub_backport():
     from sglang.srt.hardware_backend.mlx.model_runner_stub import MlxModelRunnerStub
 
     del MlxModelRunnerStub.logical_max_total_num_tokens
+
+
+def overlap_off_after_build():
+    """Turn the overlap flag off once the Scheduler is built (as a PD or platform hook
+    might): SGLang's dispatch then enters another loop than the one asked for."""
+    original = Scheduler.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.enable_overlap = False
+
+    Scheduler.__init__ = __init__

@@ -1,0 +1,127 @@
+"""One verdict per run, and the exit code every command derives from it.
+
+A green verdict is earned: the loop that was asked for ran to the end, at least one clause
+was exercised, every clause held, and SGLang aborted no request the workload did not
+declare. Every other outcome has its own exit code, so CI can tell a finding from a
+broken run:
+
+====  ================  ============================================================
+code  outcome           when
+====  ================  ============================================================
+0     ``pass``          the requested loop ran to the end, no clause violated, at least
+                        one clause exercised, no unexpected aborted request
+1     ``violated``      a clause is violated (or, ``--runner real``, the MLX KV pool was
+                        damaged); wins over 3 and 4: the frames taken are evidence
+2     ``usage``         usage or set-up error: unknown names, a bad patch, a run that
+                        failed before its loop, the loop SGLang would enter is not the
+                        loop asked for
+3     ``not-finished``  the run crashed, died or timed out (``max_steps`` included) and
+                        no clause was violated in the frames it got
+4     ``vacuous``       finished, but no clause was exercised or SGLang aborted a
+                        request, and the workload does not declare that expected
+130   ``interrupted``   Ctrl-C (reserved here; wired by the command line)
+====  ================  ============================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from contract_lib.contract import Report
+
+
+class Outcome(enum.IntEnum):
+    """A run's (or a command's) outcome; the value is the process exit code."""
+
+    PASS = 0
+    VIOLATED = 1
+    USAGE = 2
+    NOT_FINISHED = 3
+    VACUOUS = 4
+    INTERRUPTED = 130
+
+    @property
+    def label(self) -> str:
+        return self.name.lower().replace("_", "-")
+
+
+# When a command summarises several runs: the outcome it exits with is the first of these
+# that any run has (a broken set-up hides everything; a violation is evidence even from a
+# run that did not finish).
+PRECEDENCE = (Outcome.INTERRUPTED, Outcome.USAGE, Outcome.VIOLATED, Outcome.NOT_FINISHED,
+              Outcome.VACUOUS, Outcome.PASS)
+
+# The SGLang event-loop function each requested loop must enter.
+LOOP_FUNCTIONS = {"normal": "event_loop_normal", "overlap": "event_loop_overlap",
+                  "mlx": "event_loop_overlap_mlx"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """An outcome and the one-line reason for it."""
+
+    outcome: Outcome
+    reason: str
+
+    @property
+    def code(self) -> int:
+        return int(self.outcome)
+
+    def line(self) -> str:
+        return f"verdict: {self.outcome.label} (exit {self.code}): {self.reason}"
+
+
+def worst(outcomes) -> Outcome:
+    """The outcome a command over several runs exits with (PASS for none)."""
+    present = set(outcomes)
+    return next((o for o in PRECEDENCE if o in present), Outcome.PASS)
+
+
+def setup_failed(meta: dict) -> bool:
+    """The run never reached its loop (bad server arg, a patch that would not apply, the
+    wrong loop): a set-up error."""
+    error = meta.get("error") or {}
+    return meta.get("status") != "finished" and error.get("phase") == "setup"
+
+
+def loop_mismatch(meta: dict) -> str | None:
+    """Why the loop that ran is not the loop asked for, or None. Runs recorded before the
+    loop function was recorded (no ``loop_function`` in meta) are not judged here."""
+    entered = meta.get("loop_function")
+    wanted = LOOP_FUNCTIONS.get(meta.get("loop"))
+    if entered is None or wanted is None or entered == wanted:
+        return None
+    return (f"--loop {meta['loop']} asked for {wanted}, but SGLang entered {entered} "
+            f"(enable_overlap={meta.get('enable_overlap')}, "
+            f"enable_overlap_mlx={meta.get('enable_overlap_mlx')})")
+
+
+def verdict(report: "Report", kv_damaged: bool = False) -> Verdict:
+    """The verdict on one checked run (``kv_damaged``: the real runner damaged the MLX KV
+    pool, see :func:`contract_lib.kvpool.damaged`)."""
+    meta = report.meta
+    status, error = meta.get("status"), meta.get("error") or {}
+    failure = f"{error.get('type')}: {error.get('message')}" if error else ""
+    if setup_failed(meta):
+        return Verdict(Outcome.USAGE, f"the run failed in set-up: {failure}")
+    mismatch = loop_mismatch(meta)
+    if mismatch:
+        return Verdict(Outcome.USAGE, mismatch)
+    violated = [f"clause {n}" for n, r in report.clauses.items() if r.violations is not None
+                and not r.violations.empty]
+    if violated or kv_damaged:
+        what = ", ".join(violated + (["the MLX KV pool was damaged"] if kv_damaged else []))
+        suffix = "" if status == "finished" else f" (and the run {status})"
+        return Verdict(Outcome.VIOLATED, f"{what} violated{suffix}")
+    if status != "finished":
+        return Verdict(Outcome.NOT_FINISHED,
+                       f"the run {status} after {meta.get('steps')} steps: {failure}; no "
+                       "clause was violated in the frames it got, which proves nothing")
+    reasons = report.vacuity()
+    if reasons:
+        return Verdict(Outcome.VACUOUS, "; ".join(reasons))
+    return Verdict(Outcome.PASS, "the requested loop ran to the end, every exercised "
+                                 "clause held")

@@ -1,0 +1,300 @@
+"""A verdict is earned: no pass from a run that did not finish, was vacuous or ran
+another loop, and clause 1 sees a stale entry in a reused row (issue #10, Verdicts)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import contract_lib
+from contract_lib.cli import main
+from contract_lib.contract import (HOLDS, VIOLATED, RunDidNotFinish, VacuousRun,
+                                   assert_contract, check)
+from contract_lib.status import status
+from contract_lib.verdict import Outcome
+
+TESTS = Path(__file__).resolve().parent
+REUSED_ROW = str(TESTS / "workloads" / "reused-row.toml")
+RETRACTION = str(TESTS / "workloads" / "retraction.toml")
+RAISE = "user_patches:raise_in_loop"
+
+
+def _workload(tmp_path, text: str, name: str = "w") -> str:
+    path = tmp_path / f"{name}.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def _check(*args: str) -> int:
+    """``check`` on the RFC's five clauses: these tests are about a run's fate, and the
+    torch loops violate clause 6 (the SGLang-wide HRRN clock bug) on every run."""
+    return main(["check", *args, "--clauses", "rfc", "--out", "/dev/null"])
+
+
+def test_exit_codes_are_the_documented_ones():
+    assert {o.name: int(o) for o in Outcome} == {
+        "PASS": 0, "VIOLATED": 1, "USAGE": 2, "NOT_FINISHED": 3, "VACUOUS": 4,
+        "INTERRUPTED": 130}
+
+
+# -- a run that did not finish is never a pass ------------------------------------------------
+
+
+def test_crafted_frames_of_a_crashed_run_are_not_ok(run_cached):
+    good = run_cached("two-turn", "overlap")
+    crashed = contract_lib.Frames(tables=good.tables, meta={
+        **copy.deepcopy(good.meta), "status": "crashed",
+        "error": {"type": "RuntimeError", "phase": "loop", "message": "boom"}})
+    report = check(crashed, clauses="rfc")
+    assert all(r.status != VIOLATED for r in report.clauses.values())
+    assert not report.ok and report.verdict().outcome == Outcome.NOT_FINISHED
+    with pytest.raises(RunDidNotFinish) as raised:
+        assert_contract(crashed, clauses="rfc")
+    assert (raised.value.status, raised.value.type, raised.value.message) == (
+        "crashed", "RuntimeError", "boom")
+    assert "verdict: not-finished (exit 3)" in report.text()
+
+
+def test_a_patch_that_raises_in_the_loop_exits_3(capsys):
+    assert _check("--loop", "normal", "--workload", "single-decode", "--patch", RAISE) == 3
+    out = capsys.readouterr().out
+    assert "run crashed: RuntimeError: injected fault" in out
+    assert "verdict: not-finished (exit 3)" in out
+
+
+def test_max_steps_reached_exits_3(tmp_path, capsys):
+    workload = contract_lib.load_workload("single-decode").to_dict()
+    workload["max_steps"] = 4
+    path = tmp_path / "short.toml"
+    path.write_text(_toml(workload))
+    assert _check("--loop", "overlap", "--workload", str(path)) == 3
+    assert "run timeout" in capsys.readouterr().out
+
+
+def test_a_segfault_in_the_loop_exits_3(capsys):
+    assert _check("--loop", "normal", "--workload", "single-decode",
+                  "--patch", "user_patches:segfault_in_loop") == 3
+    assert "SIGSEGV" in capsys.readouterr().out
+
+
+def test_status_cells_show_crashed_runs_and_exit_3(capsys):
+    result = status(["single-decode"], ("normal", "overlap"), patch=RAISE, progress=False,
+                    clauses="rfc")
+    table = result.table()
+    assert set(table["normal"]) == {"crashed (1/1)"}
+    assert set(table["overlap"]) == {"crashed (1/1)"}
+    assert result.outcome() == Outcome.NOT_FINISHED
+    assert "run single-decode on normal: crashed" in result.text()
+    assert main(["status", "--workload", "single-decode", "--loop", "normal",
+                 "--patch", RAISE, "--clauses", "rfc"]) == 3
+
+
+def test_trace_of_a_crashed_run_exits_3_and_keeps_what_it_has(tmp_path, capsys):
+    out = tmp_path / "t.json"
+    assert main(["trace", "--workload", "single-decode", "--loop", "normal",
+                 "--patch", RAISE, "--out", str(out)]) == 3
+    events = json.loads(out.read_text())["traceEvents"]
+    assert any(e.get("cat") == "step" for e in events)
+    assert "crashed" in capsys.readouterr().out
+
+
+def test_audit_of_a_crashed_run_is_one_line_and_exit_3(capsys):
+    assert main(["audit", "--workload", "single-decode", "--patch", RAISE]) == 3
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err
+    assert errors[0].startswith("error: audit run single-decode on ")
+    assert "injected fault" in errors[0]
+
+
+# -- a vacuous run says so --------------------------------------------------------------------
+
+LONG_PROMPT = """
+name = "long-prompt"
+max_steps = 60
+{expect}
+[[requests]]
+rid = "long"
+prompt_range = [10, 1200]      # 1190 tokens: past the model's 1024-token context
+max_new_tokens = 4
+
+[[requests]]
+rid = "short"
+prompt_range = [20, 30]
+max_new_tokens = 4
+"""
+
+
+def test_an_aborted_request_is_recorded_and_exits_4(tmp_path, capsys):
+    path = _workload(tmp_path, LONG_PROMPT.format(expect=""))
+    frames = contract_lib.run(path, "normal")
+    last = frames.requests.groupby("rid").tail(1).set_index("rid")
+    assert last.loc["long", "finish_reason"] == "abort"
+    assert "exceeds the maximum allowed length" in last.loc["long", "finish_message"]
+    assert last.loc["short", "finish_reason"] == "length"
+    assert (frames.requests["retractions"] == 0).all()
+    report = check(frames, clauses="rfc")
+    assert report.verdict().outcome == Outcome.VACUOUS and not report.ok
+    with pytest.raises(VacuousRun, match="aborted request long"):
+        assert_contract(frames, clauses="rfc")
+    assert _check("--loop", "normal", "--workload", path) == 4
+    out = capsys.readouterr().out
+    assert "request long aborted by SGLang: Input length (1190 tokens)" in out
+
+
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+def test_retractions_are_recorded_and_keep_the_torch_loops_green(run_cached, loop):
+    """SGLang's own per-request counter; a retracted request frees its row and takes one
+    again, and every entry it then uses is one it wrote (no false ``stale``)."""
+    frames = run_cached(RETRACTION, loop)
+    assert frames.requests.groupby("rid")["retractions"].max().to_dict() == {"a": 0, "b": 1}
+    assert assert_contract(frames, clauses="rfc").verdict().outcome == Outcome.PASS
+
+
+def test_a_declared_abort_is_not_vacuous(tmp_path):
+    path = _workload(tmp_path, LONG_PROMPT.format(expect='[expect]\naborted = ["long"]\n'))
+    assert _check("--loop", "normal", "--workload", path) == 0
+
+
+def test_no_clause_exercised_is_vacuous_unless_declared(run_cached):
+    """Crafted: the frames of a finished run in which nothing launched (a real run that
+    launches nothing never ends: the capture stops a run only when its requests finish;
+    even an aborted-only workload launches SGLang's one-token abort prefill)."""
+    frames = run_cached("single-decode", "normal")
+    tables = {name: table.iloc[0:0] for name, table in frames.tables.items()}
+    tables["steps"] = frames.steps.iloc[:1]
+    idle = contract_lib.Frames(tables=tables, meta=copy.deepcopy(frames.meta))
+    report = check(idle)
+    assert report.vacuity() == ["no clause was exercised"] and not report.ok
+    assert report.verdict().outcome == Outcome.VACUOUS
+    idle.meta["expect"] = {"vacuous": True}
+    assert check(idle).verdict().outcome == Outcome.PASS
+
+
+@pytest.mark.parametrize("expect, error", [
+    ('aborted = ["nope"]', "unknown request"), ("vacuous = 1", "true or false"),
+    ("surprise = true", "unknown [expect] key")])
+def test_the_expect_table_is_validated(tmp_path, expect, error):
+    path = _workload(tmp_path, LONG_PROMPT.format(expect=f"[expect]\n{expect}\n"))
+    with pytest.raises(contract_lib.WorkloadError, match=error.replace("[", r"\[")):
+        contract_lib.load_workload(path)
+
+
+# -- the loop that ran is the loop that was asked for ------------------------------------------
+
+
+@pytest.mark.parametrize("loop", ["normal", "overlap", "mlx"])
+def test_the_loop_entered_is_recorded(run_cached, loop):
+    meta = run_cached("single-decode", loop).meta
+    assert meta["loop_function"] == {"normal": "event_loop_normal",
+                                     "overlap": "event_loop_overlap",
+                                     "mlx": "event_loop_overlap_mlx"}[loop]
+    assert (meta["enable_overlap"], meta["enable_overlap_mlx"]) == {
+        "normal": (False, False), "overlap": (True, False), "mlx": (False, True)}[loop]
+
+
+def test_a_workload_server_arg_that_changes_the_loop_is_a_setup_error(tmp_path, capsys):
+    text = Path(contract_lib.workloads.WORKLOAD_DIR / "single-decode.toml").read_text()
+    path = _workload(tmp_path, text.replace("[[requests]]", "[server_args]\n"
+                                            "disable_overlap_schedule = true\n\n[[requests]]", 1))
+    assert _check("--loop", "mlx", "--workload", path) == 2
+    out = capsys.readouterr().out
+    assert "workload [server_args] disable_overlap_schedule=True" in out
+    assert "event_loop_normal instead of event_loop_overlap_mlx" in out
+
+
+@pytest.mark.parametrize("loop, value", [("overlap", "True"), ("normal", "False")])
+def test_a_cli_server_arg_that_changes_the_loop_is_a_setup_error(capsys, loop, value):
+    assert _check("--loop", loop, "--workload", "single-decode",
+                  "--server-arg", f"disable_overlap_schedule={value}") == 2
+    assert f"--server-arg disable_overlap_schedule={value}" in capsys.readouterr().out
+
+
+def test_an_argument_that_turns_overlap_off_indirectly_is_named():
+    """ServerArgs' post-init hooks can set disable_overlap_schedule from another argument
+    (e.g. speculative decoding, the MPS backend): the one whose removal restores the
+    loop is named. A stand-in ServerArgs with such a hook:"""
+    from contract_lib.harness import LoopMismatch, _check_overlap_arg
+
+    class Args:
+        def __init__(self, **kwargs):
+            self.disable_overlap_schedule = (kwargs["disable_overlap_schedule"]
+                                             or kwargs.get("speculative") is not None)
+
+    given = {"speculative": "eagle", "chunked_prefill_size": 16}
+    args = {"disable_overlap_schedule": False, "max_total_tokens": 2048, **given}
+    with pytest.raises(LoopMismatch, match=r"workload \[server_args\] speculative='eagle' "
+                                           r"make\(s\) it True: SGLang would run "
+                                           r"event_loop_normal instead of event_loop_overlap_mlx"):
+        _check_overlap_arg("mlx", Args(**args), args, given, {}, Args)
+
+
+def test_a_loop_changed_after_the_build_is_refused_at_loop_entry(capsys):
+    assert _check("--loop", "overlap", "--workload", "single-decode",
+                  "--patch", "user_patches:overlap_off_after_build") == 2
+    out = capsys.readouterr().out
+    assert "asked for event_loop_overlap, but SGLang's dispatch entered event_loop_normal" in out
+
+
+def test_a_recorded_loop_mismatch_is_a_setup_error(run_cached):
+    frames = run_cached("two-turn", "overlap")
+    other = contract_lib.Frames(tables=frames.tables, meta={
+        **copy.deepcopy(frames.meta), "loop_function": "event_loop_normal"})
+    assert check(other).verdict().outcome == Outcome.USAGE
+
+
+# -- clause 1: a stale entry in a reused row ---------------------------------------------------
+
+
+def test_writes_are_attributed_to_the_row_holder_even_when_values_repeat():
+    """The allocator can hand the same slot back at the same position after a free: the
+    new holder's write makes it its own, whatever the value."""
+    import torch
+
+    from contract_lib.capture import Recorder
+
+    class Kv:
+        def __init__(self, row):
+            self.req_pool_idx = row
+
+    class Req:
+        def __init__(self, row):
+            self.kv = Kv(row)
+
+    recorder = Recorder.__new__(Recorder)
+    recorder.written_by = np.full((3, 8), -1, dtype=np.int32)
+    first, second = Req(1), Req(None)
+    recorder.reqs = {"first": first, "second": second}
+    recorder.on_row_write((1, slice(0, 4)))
+    first.kv.req_pool_idx, second.kv.req_pool_idx = None, 1  # row 1 freed and reused
+    recorder.on_row_write((torch.tensor([1, 1]), torch.tensor([0, 1])))
+    assert recorder.written_by[1, :5].tolist() == [1, 1, 0, 0, -1]
+
+
+def test_reused_row_leaves_stale_entries_on_mlx_only(run_cached):
+    mlx = check(run_cached(REUSED_ROW, "mlx")).clauses[1]
+    stale = mlx.violations[mlx.violations["actual"].str.contains("never written for b")]
+    assert mlx.status == VIOLATED and len(stale) > 0
+    assert "previous holder" in stale.iloc[0]["explanation"]
+    for loop in ("normal", "overlap"):
+        assert check(run_cached(REUSED_ROW, loop)).clauses[1].status == HOLDS, loop
+    # Recording the chained positions (the candidate fix) makes every entry b's own.
+    fixed = check(run_cached(REUSED_ROW, "mlx", "fix-chained-accounting")).clauses[1]
+    assert fixed.status == HOLDS
+
+
+def _toml(workload: dict) -> str:
+    """A workload dict (``Workload.to_dict``) back as TOML."""
+    lines = [f'name = "{workload["name"]}"', f'max_steps = {workload["max_steps"]}']
+    for key, value in workload["server_args"].items():
+        lines.append(f"server_args.{key} = {json.dumps(value)}")
+    for r in workload["requests"]:
+        lines += ["", "[[requests]]", f'rid = "{r["rid"]}"', f"prompt = {list(r['prompt'])}",
+                  f"max_new_tokens = {r['max_new_tokens']}", f"arrival = {r['arrival']}"]
+        if r["turn_of"]:
+            lines.append(f'turn_of = "{r["turn_of"]}"')
+    return "\n".join(lines) + "\n"
