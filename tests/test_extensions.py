@@ -332,3 +332,23 @@ def test_check_exit_codes_by_clause_set(capsys):
         capsys.readouterr().out)
     assert main(args + ["--clauses", "rfc"]) == 0
     assert main(args + ["--patch", "fix-processed-tokens-counter"]) == 0
+
+
+def test_an_unknown_clause_set_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["check", "--loop", "normal", "--workload", "single-decode", "--clauses", "6"])
+    assert exited.value.code == 2
+    assert "invalid choice: '6'" in capsys.readouterr().err
+
+
+def test_frames_without_the_extension_tables_are_not_exercised(torch_good):
+    """Frames recorded before the extensions (no backend_state table, no counter or
+    decode_batch_idx column) check as not exercised, with the reason, never as holds."""
+    del torch_good.tables["backend_state"]
+    torch_good.tables["steps"] = torch_good.steps.drop(columns="processed_tokens_counter")
+    torch_good.tables["requests"] = torch_good.requests.drop(
+        columns=["decode_batch_idx", "kv_prefilled"])
+    report = check(torch_good)
+    assert report.clauses[6].status == NOT_EXERCISED
+    assert report.clauses[7].status == NOT_EXERCISED
+    assert report.clauses[2].status == HOLDS  # the RFC's three counters still checked
