@@ -33,7 +33,8 @@ from pathlib import Path
 import pandas as pd
 
 from contract_lib.frames import Frames
-from contract_lib.harness import LOOPS, run_many
+# The effects audit compares SGLang's own loops (not sglang-omni's).
+from contract_lib.harness import SGLANG_LOOPS as LOOPS, frames_or_raise, run_many
 from contract_lib.patches import PatchArg, patch_spec
 from contract_lib.verdict import Outcome, setup_failed
 
@@ -218,6 +219,7 @@ def audit(workload: str = "two-turn", patch: PatchArg = None, progress: bool = T
     spec = patch_spec(patch)
     runs = run_many([{"workload": workload, "loop": loop, "patch": spec, "audit": True}
                      for loop in LOOPS], progress=progress)
+    runs = frames_or_raise(runs)
     by_loop = dict(zip(LOOPS, runs))
     for frames in runs:
         if frames.status != "finished":

@@ -19,6 +19,14 @@ records, and calls the original:
   left by a row's previous holder shows as not ``written``.
 - :class:`BackendStateRecorder` wraps nothing: at each step boundary it reads the
   backend's per-request dicts and sets (table ``backend_state``, clause 7).
+
+On sglang-omni's ``OmniScheduler`` (loop ``omni``, :mod:`contract_lib.omni`) the step
+boundary is ``recv_requests`` (the first call of its loop iteration after the admin
+queue), scripted requests go into its ``inbox``, the registry wraps its
+``request_builder`` (it appends to ``waiting_queue`` itself, not through
+``_add_request_to_queue``), and its model-free forward calls
+:meth:`Recorder.on_torch_launch`. Its in-flight work is its one-step lookahead
+(``async_pending``): ``steps.enable_overlap`` and ``result_queue_len`` record it there.
 """
 
 from __future__ import annotations
@@ -37,6 +45,10 @@ Emit = Callable[[tuple], None]
 
 class StopRun(Exception):
     """Raised at a step boundary once the workload is done (every request finished)."""
+
+
+class OmniRequestError(RuntimeError):
+    """sglang-omni put an error for a request into its outbox (a failed batch)."""
 
 
 class StepBudgetExceeded(Exception):
@@ -102,6 +114,8 @@ class Recorder:
         # Per req_to_token entry: the registry index (in ``reqs`` order) of the request
         # that held the row when the entry was last written; -1 never written.
         self.written_by: np.ndarray | None = None
+        self._checker = None
+        self.resolving: int | None = None  # omni: the launch being resolved
         # Per request: kv_computed at the end of its last prefill/extend lane (clause 2's
         # decode_batch_idx counts the decode launches since).
         self.kv_prefilled: dict[str, int] = {}
@@ -111,7 +125,8 @@ class Recorder:
 
     def install(self) -> None:
         s = self.s
-        real_ingest = s.ingest_requests
+        boundary = "recv_requests" if self.loop == "omni" else "ingest_requests"
+        real_ingest = getattr(s, boundary)
         real_add = s._add_request_to_queue
         real_process = s.process_batch_result
 
@@ -127,18 +142,46 @@ class Recorder:
             self.on_processed(batch, result)
             return real_process(batch, result, *args, **kwargs)
 
-        s.ingest_requests = ingest_requests
-        s._add_request_to_queue = add_request_to_queue
+        setattr(s, boundary, ingest_requests)
+        if self.loop == "omni":
+            real_build = s.request_builder
+
+            def request_builder(payload):
+                data = real_build(payload)
+                self.reqs.setdefault(data.req.rid, data.req)
+                return data
+
+            s.request_builder = request_builder
+        else:
+            s._add_request_to_queue = add_request_to_queue
         if not self.capture:
             return  # feed and stop only: the baseline for the capture overhead
         s.process_batch_result = process_batch_result
         self._install_row_write_hook()
+        if self.loop == "omni":
+            self._install_omni_resolve_hook()
         self._install_relay_hooks()
         if self.effects is not None:
             self.effects.install(s)
         if self.loop == "mlx":
             self._install_mlx_launch_hooks()
         self.backend = BackendStateRecorder(self.s)
+
+    def _install_omni_resolve_hook(self) -> None:
+        """Pair each lookahead launch with its resolve (``resolve_and_process``), in
+        launch order: a launch whose requests all finished in an earlier step (the
+        lookahead overrun) is resolved and dropped without ``process_batch_result``, so
+        pairing processed batches with launches by order alone would shift by one."""
+        real_resolve = self.s.resolve_and_process
+
+        def resolve_and_process(*args, **kwargs):
+            self.resolving = self.unprocessed.popleft() if self.unprocessed else None
+            try:
+                return real_resolve(*args, **kwargs)
+            finally:
+                self.resolving = None
+
+        self.s.resolve_and_process = resolve_and_process
 
     def _install_relay_hooks(self) -> None:
         from sglang.srt.managers import overlap_utils, scheduler as scheduler_module
@@ -152,6 +195,8 @@ class Recorder:
             return real_resolve(batch, fmap)
 
         scheduler_module.resolve_forward_inputs = resolve_forward_inputs
+        if self.loop == "omni":  # its execution bridge imports it at every forward
+            overlap_utils.resolve_forward_inputs = resolve_forward_inputs
         if self.loop == "mlx":
             from sglang.srt.hardware_backend.mlx import scheduler_mixin
 
@@ -284,9 +329,12 @@ class Recorder:
                             prefilled_tokens=_prefilled_tokens(batch))
 
     def on_processed(self, batch, result) -> None:
-        if not self.unprocessed:
+        if self.resolving is not None:
+            launch, self.resolving = self.resolving, None
+        elif self.unprocessed:
+            launch = self.unprocessed.popleft()
+        else:
             return
-        launch = self.unprocessed.popleft()
         self.emit(("update", "launches", "launch", launch, {
             "processed_step": self.step,
             "processed_forward_iter": batch.forward_iter,
@@ -343,6 +391,8 @@ class Recorder:
             self._emit_effects()
         if self.capture:
             self.snapshot()
+        if self.loop == "omni":
+            self._raise_omni_errors()
         if self.done():
             raise StopRun()
         if self.step >= self.workload.max_steps:
@@ -354,6 +404,21 @@ class Recorder:
             self.effects.step = self.step
             self.effects.active = True
 
+    def _raise_omni_errors(self) -> None:
+        """Make a request error sglang-omni reported end the run (crashed).
+
+        Its loop catches a failing batch (``run_batch``, ``handle_batch_failure``),
+        aborts the batch's requests and carries on; the error only goes to the outbox
+        for the next pipeline stage. Without this, a run whose forward raised would
+        finish with aborted requests and hold every clause vacuously."""
+        for message in list(self.s.outbox.queue):
+            if message.type == "error":
+                error = message.data
+                raise OmniRequestError(
+                    f"sglang-omni reported an error for request {message.request_id!r}: "
+                    f"{type(error).__name__}: {error}") from (
+                        error if isinstance(error, BaseException) else None)
+
     def _emit_effects(self) -> None:
         rows = [("effects", row) for row in self.effects.take(self.loop)]
         if rows:
@@ -363,7 +428,19 @@ class Recorder:
         return (len(self.fed) == len(self.workload.requests)
                 and all(req.finished() for req in self.reqs.values())
                 and len(self.reqs) == len(self.workload.requests)
-                and not getattr(self.s, "result_queue", None))
+                and self._in_flight() == 0)
+
+    def _in_flight(self) -> int:
+        """Launched steps not yet processed that the loop carries to its next iteration:
+        SGLang's overlap loops' ``result_queue``; omni's lookahead step (``async_pending``)."""
+        if self.loop == "omni":
+            return int(self.s.async_pending is not None)
+        return len(getattr(self.s, "result_queue", ()) or ())
+
+    def _overlaps(self) -> bool:
+        """Whether the loop can carry in-flight work (omni: ``enable_async_decode``)."""
+        return bool(self.s.enable_overlap or (self.loop == "omni"
+                                              and self.s.enable_async_decode))
 
     def feed(self) -> None:
         for spec in self.workload.requests:
@@ -375,7 +452,12 @@ class Recorder:
                 if parent is None or not parent.finished():
                     continue
                 prompt = list(parent.origin_input_ids) + list(parent.output_ids) + prompt
-            self.s.request_receiver.pending.append(_tokenized_request(spec, prompt))
+            if self.loop == "omni":
+                from contract_lib.shims import omni_request_message
+
+                self.s.inbox.put(omni_request_message(spec.rid, prompt, spec.max_new_tokens))
+            else:
+                self.s.request_receiver.pending.append(_tokenized_request(spec, prompt))
             self.fed.add(spec.rid)
 
     def snapshot(self) -> None:
@@ -384,9 +466,9 @@ class Recorder:
         rows: list[tuple[str, dict[str, Any]]] = []
         rows.append(("steps", {
             "step": step, "loop": self.loop, "forward_ct": s.forward_ct,
-            "result_queue_len": len(getattr(s, "result_queue", ()) or ()),
+            "result_queue_len": self._in_flight(),
             "is_fully_idle": bool(s.is_fully_idle()), "idle_probe": self._idle_probe(),
-            "enable_overlap": bool(s.enable_overlap),
+            "enable_overlap": self._overlaps(),
             "enable_overlap_mlx": bool(s.enable_overlap_mlx),
             "running_bs": 0 if running is None else len(running.reqs),
             "running_mode": _mode_name(running), "last_batch_mode": _mode_name(last),
@@ -440,7 +522,7 @@ class Recorder:
 
     def _pool_terms(self) -> dict[str, Any]:
         """SGLang's own KV pool conservation terms (``InvariantChecker``), and its verdict."""
-        checker = self.s.invariant_checker
+        checker = self._invariant_checker()
         stats = checker.pool_stats_observer.get_pool_stats()
         if checker.get_last_batch() is None:
             # <= 0.5.21 reads ``get_last_batch().reqs`` unguarded (SGLang calls it only
@@ -461,6 +543,21 @@ class Recorder:
             "kv_protected": int(self.s.tree_cache.protected_size()),
             "kv_uncached": int(uncached), "pool_leak": bool(leak),
         }
+
+    def _invariant_checker(self):
+        """SGLang's ``SchedulerInvariantChecker``: the scheduler's own or, where the loop
+        builds none (``omni``), one SGLang's ``init_invariant_checker`` builds over the
+        scheduler's pools for the frames only (nothing in the loop reads it)."""
+        checker = getattr(self.s, "invariant_checker", None)
+        if checker is None:
+            if self._checker is None:
+                from sglang.srt.managers.scheduler import Scheduler
+
+                view = _ReadThrough(self.s)
+                Scheduler.init_invariant_checker(view)
+                self._checker = view.invariant_checker
+            checker = self._checker
+        return checker
 
     def _free_slots(self) -> np.ndarray:
         """A mask over slot ids: True where the allocator holds the slot as free
@@ -537,6 +634,16 @@ class BackendStateRecorder:
                     rows.append({"step": step, "rid": key, "structure": structure,
                                  "row": int(row) if isinstance(row, int) else None})
         return rows
+
+
+class _ReadThrough:
+    """Reads fall through to the scheduler; writes stay here (see ``_invariant_checker``)."""
+
+    def __init__(self, scheduler) -> None:
+        self._scheduler = scheduler
+
+    def __getattr__(self, name: str):
+        return getattr(self._scheduler, name)
 
 
 class _EmptyBatch:

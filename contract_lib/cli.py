@@ -22,7 +22,7 @@ from pathlib import Path
 
 from contract_lib.extensions import CLAUSE_SETS
 from contract_lib.frames import Frames
-from contract_lib.harness import LOOPS, RUNNERS, RunSetupError, run
+from contract_lib.harness import LOOPS, RUNNERS, RunInterrupted, RunSetupError, run
 from contract_lib.patches import BUILTIN_PATCHES, PatchError
 from contract_lib.report import run_summary, step_table
 from contract_lib.verdict import Outcome, setup_failed, worst
@@ -33,12 +33,17 @@ from contract_lib.workloads import WorkloadError
 FRAMES_DIR = Path(__file__).resolve().parent.parent / "data" / "frames"
 USAGE_ERRORS = (RunSetupError, WorkloadError, PatchError, UnsupportedSGLangError,
                 SGLangInstallError)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 
 
 def _server_arg(text: str) -> tuple[str, object]:
+    """``KEY=VALUE``: VALUE as a Python literal (``8``, ``0.5``, ``None``, ``True``), TOML's
+    ``true``/``false``, else the string; the run checks it against ServerArgs' types."""
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    if raw.strip() in ("true", "false"):
+        return key.strip(), raw.strip() == "true"
     try:
         value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
@@ -103,9 +108,13 @@ def _default_out(args) -> Path:
 
 
 def _run(args) -> Frames:
-    frames = run(args.workload, args.loop, patch=args.patch,
-                 server_args=dict(args.server_arg), cache=not args.no_cache,
-                 warm=not args.cold, runner=args.runner, sglang=args.sglang)
+    try:
+        frames = run(args.workload, args.loop, patch=args.patch,
+                     server_args=dict(args.server_arg), cache=not args.no_cache,
+                     warm=not args.cold, runner=args.runner, sglang=args.sglang)
+    except RunInterrupted as exc:  # keep what the run captured
+        out = exc.frames.save(args.out or _default_out(args))
+        raise RunInterrupted(f"{exc}; the frames so far are in {out}", exc.frames) from None
     out = frames.save(args.out or _default_out(args))
     print(f"frames written to {out}{' (from the frame cache)' if frames.meta.get('cached') else ''}")
     return frames
@@ -270,6 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; a usage error is one ``error:`` line on stderr and exit 2. Ctrl-C
+    is one ``interrupted:`` line and exit 130: queued runs are cancelled and children
+    killed; ``run``/``check`` first write the frames captured so far (status
+    ``interrupted``)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -277,3 +290,6 @@ def main(argv: list[str] | None = None) -> int:
     except USAGE_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:
+        print(f"interrupted: {exc}" if str(exc) else "interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED

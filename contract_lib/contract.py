@@ -469,13 +469,16 @@ def check_idle_predicate(frames: Frames) -> ClauseResult:
                             _violations(5, loop, []))
     bad = in_flight[in_flight["idle_probe"].astype(bool)]
     masked = ~bad["is_fully_idle"].astype(bool)
+    # The loop's in-flight work: SGLang's overlap loops queue it in ``result_queue``;
+    # sglang-omni's lookahead holds one launched step in ``async_pending``.
+    queue = "async_pending" if loop == "omni" else "result_queue"
     rows = pd.DataFrame({
-        "field": "result_queue", "step": bad["step"].astype("int64"),
+        "field": queue, "step": bad["step"].astype("int64"),
         "expected": "not idle (in-flight term)",
         "actual": "idle with " + _ints(bad["result_queue_len"]) + " job(s) queued",
         "explanation": pd.Series(
             "the predicate reported idle while work was in flight", index=bad.index).where(
-            ~masked, "the in-flight term ignores this loop's result_queue; the real "
+            ~masked, f"the in-flight term ignores this loop's {queue}; the real "
                      "predicate said busy only because the running/last batch terms did")})
     status = HOLDS if bad.empty else MASKED if masked.all() else VIOLATED
     note = f"{len(in_flight)} steps with in-flight work checked"

@@ -95,7 +95,9 @@ WALL_CLOCK_COLUMNS: dict[str, list[str]] = {
     "launches": ["launch_ts", "processed_launch_ts"],
 }
 
-STATUSES = ("finished", "crashed", "timeout", "died")
+# ``interrupted``: Ctrl-C or a cancelled batch stopped the run and killed its child
+# (contract_lib.harness.RunInterrupted carries such frames).
+STATUSES = ("finished", "crashed", "timeout", "died", "interrupted")
 
 # The meta entries every frames file has, with their JSON types (``object``: any).
 META_TYPES: dict[str, tuple[type, ...]] = {

@@ -8,16 +8,24 @@ Each run chooses its SGLang release (``sglang=``: the venv's, or a supported rel
 from its own install folder first on the child's ``PYTHONPATH``) and, on the MLX loop,
 its runner (``runner=``: the model-free next-token function, or SGLang's real
 ``MlxModelRunner`` with a tiny random-weight mlx-lm model built locally).
+
+Nothing outlives the parent: children run in their own session (a terminal's Ctrl-C is
+the parent's to handle: it kills them and keeps the frames, :class:`RunInterrupted`),
+die with the parent if it is killed (:func:`contract_lib.pool.die_with_parent`, and the
+fork servers' lifeline), and a run's log is an unnamed temporary file of which the
+parent reads only the tail.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -25,14 +33,18 @@ from pathlib import Path
 from typing import Any
 
 from contract_lib import cache as frame_cache
-from contract_lib.frames import Frames
+from contract_lib.frames import Frames, run_title
 from contract_lib.patches import PatchArg, patch_spec
-from contract_lib.pool import POOL, child_env
+from contract_lib.pool import POOL, child_env, die_with_parent
+from contract_lib.serverargs import accepted_kinds, problems
 from contract_lib.verdict import LOOP_FUNCTIONS
 from contract_lib.versions import require_supported_sglang, sglang_path
 from contract_lib.workloads import Workload, load_workload
 
-LOOPS = ("normal", "overlap", "mlx")
+LOOPS = ("normal", "overlap", "mlx", "omni")
+# SGLang's own loops: what ``status`` and ``audit`` run by default. ``omni`` is
+# sglang-omni's ``OmniScheduler`` (:mod:`contract_lib.omni`), pinned to SGLang 0.5.22.
+SGLANG_LOOPS = ("normal", "overlap", "mlx")
 # ``model-free``: every loop's forward is a deterministic next-token function
 # (:mod:`contract_lib.shims`). ``real`` (MLX loop only): SGLang's own ``MlxModelRunner``
 # runs the tiny mlx-lm model of :mod:`contract_lib.tiny_model` on MLX's CPU backend, so
@@ -63,8 +75,33 @@ EXTRA_PATCH_ENV = "CONTRACT_LIB_EXTRA_PATCH"
 DEFAULT_HANG_TIMEOUT_S = 300.0
 
 
+# The log of a run is read back only as its last ``LOG_TAIL_BYTES`` (a child may print
+# gigabytes); the tail shown in an error is at most ``LOG_TAIL_LINES`` lines of that.
+LOG_TAIL_BYTES = 64 * 1024
+LOG_TAIL_LINES = 40
+# Seconds between checks for a cancel (or a hang) while waiting for the child.
+_POLL_S = 0.25
+
+
 class RunSetupError(ValueError):
-    """Bad input to :func:`run`: an unknown loop, workload or patch."""
+    """Bad input to :func:`run`: an unknown loop, workload, patch or server arg."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C (a KeyboardInterrupt in the waiting thread) or a set ``cancel`` event stopped
+    the run, and its child was killed. A KeyboardInterrupt, so ``except Exception`` does
+    not swallow it.
+
+    ``frames``: from :func:`run`, what the run captured until then (status
+    ``interrupted``). ``results``: from :func:`run_many`, one entry per job as it returns
+    them (a job that never started holds a ``concurrent.futures.CancelledError``).
+    """
+
+    def __init__(self, message: str, frames: Frames | None = None,
+                 results: list[Frames | BaseException] | None = None) -> None:
+        super().__init__(message)
+        self.frames = frames
+        self.results = results
 
 
 class LoopMismatch(RuntimeError):
@@ -85,6 +122,7 @@ def run(
     audit: bool = False,
     runner: str = "model-free",
     sglang: str | None = None,
+    cancel: threading.Event | None = None,
 ) -> Frames:
     """Drive ``workload`` through ``loop`` and return its frames, whatever happened.
 
@@ -106,6 +144,14 @@ def run(
     :data:`RUNNERS`). ``sglang``: a supported release (``"0.5.21"``, ``"0.5.22"``,
     ``"0.5.23"``), installed into its own folder on first use; None is the venv's.
     Both are part of the run spec, hence of the cache key.
+
+    Bad input raises before any run child starts: :class:`WorkloadError` (e.g. a token id
+    outside the model's vocabulary), :class:`RunSetupError` (e.g. a server arg of the
+    wrong type, checked against the release's ``ServerArgs`` field types; cold runs check
+    it in the child, as a set-up error).
+
+    Ctrl-C while the run is in progress (or setting ``cancel`` from another thread) kills
+    the child and raises :class:`RunInterrupted` carrying the frames captured so far.
     """
     if loop not in LOOPS:
         raise RunSetupError(f"unknown loop {loop!r}; valid loops: {', '.join(LOOPS)}")
@@ -116,9 +162,19 @@ def run(
             "runner 'real' is SGLang's MlxModelRunner, which only the mlx loop uses; the "
             "torch loops stay model-free (compare a real run with "
             "contract_lib.tiny_model.reference_outputs or with the MLX fixed path)")
+    if loop == "omni":
+        from contract_lib.omni import OMNI_SGLANG, OMNI_VERSION
+
+        if sglang not in (None, OMNI_SGLANG):
+            raise RunSetupError(f"loop 'omni' is sglang-omni {OMNI_VERSION}, built on sglang "
+                                f"{OMNI_SGLANG}; it cannot run on sglang {sglang}")
+        sglang = OMNI_SGLANG
     version = require_supported_sglang(sglang)
     if not isinstance(workload, Workload):
         workload = load_workload(workload)
+    workload.validate(f"workload {workload.name!r}")
+    model_dir = _model_dir(runner)
+    workload.check_vocabulary(_vocab_size(model_dir), f"workload {workload.name!r}")
     patches = [p for p in (patch_spec(patch), os.environ.get(EXTRA_PATCH_ENV)) if p]
     spec = {
         "workload": workload.to_dict(),
@@ -139,120 +195,220 @@ def run(
         "runner": runner,
     }
     sglang_dir = sglang_path(version)  # installs the release on first use
+    omni_dir = None
+    if loop == "omni":
+        from contract_lib import omni
+
+        omni_dir = omni.omni_path()  # installs sglang-omni on first use
+        spec["omni"] = {"version": omni.OMNI_VERSION, "files": omni.install_stamp(omni_dir)}
+        meta["omni_version"] = omni.OMNI_VERSION
     use_cache = cache and capture and frame_cache.enabled()
     if use_cache:
         run_key = frame_cache.key(spec, sglang_dir)
         hit = frame_cache.load(run_key, meta)
         if hit is not None:
             return hit
-    child_spec = {**spec, "sglang_dir": None if sglang_dir is None else str(sglang_dir)}
+    child_spec = {**spec, "sglang_dir": None if sglang_dir is None else str(sglang_dir),
+                  "omni_dir": None if omni_dir is None else str(omni_dir)}
     if runner == "real":
-        from contract_lib.tiny_model import tiny_model_dir
-
-        child_spec["model_dir"] = str(tiny_model_dir())
-    frames = _execute(child_spec, meta, hang_timeout, warm, sglang_dir)
+        child_spec["model_dir"] = str(model_dir)
+    frames = _execute(child_spec, meta, hang_timeout, warm, sglang_dir, cancel)
+    if frames.status == "interrupted":
+        raise RunInterrupted(f"{run_title(meta)} stopped after {meta['steps']} steps",
+                             frames=frames)
     if use_cache:
         frame_cache.store(run_key, frames)
     return frames
 
 
+def _model_dir(runner: str) -> Path:
+    """The model folder a run's Scheduler loads (the real runner's tiny model is built
+    on first use)."""
+    if runner == "real":
+        from contract_lib.tiny_model import tiny_model_dir
+
+        return tiny_model_dir()
+    return MODEL_DIR
+
+
+def _vocab_size(model_dir: Path) -> int:
+    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+
+
 def run_many(jobs: list[dict[str, Any]], *, workers: int | None = None,
-             progress: bool = True) -> list[Frames]:
+             progress: bool = True) -> list[Frames | BaseException]:
     """Run several jobs (each a dict of :func:`run` keyword arguments) in parallel, one
-    child process per job, ``workers`` at a time (default: the machine's cores); results
-    come back in job order. A tqdm bar on stderr shows progress."""
-    from concurrent.futures import ThreadPoolExecutor, as_completed
+    child process per job, ``workers`` at a time (default: the machine's cores). Returns
+    one entry per job, in job order: its Frames, or the exception its :func:`run` raised
+    (e.g. a :class:`RunSetupError`); one failing job loses nothing of the others. A tqdm
+    bar on stderr shows progress.
+
+    Ctrl-C cancels the queued jobs, kills the running ones' children and raises
+    :class:`RunInterrupted` whose ``results`` hold every job's entry."""
+    from concurrent.futures import CancelledError, ThreadPoolExecutor, as_completed
 
     from tqdm.auto import tqdm
 
-    workers = workers or os.cpu_count() or 1
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(run, **job) for job in jobs]
-        bar = tqdm(total=len(futures), desc="runs", unit="run", disable=not progress,
-                   file=sys.stderr, leave=False)
+    cancel = threading.Event()
+    executor = ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1)
+    bar = tqdm(total=len(jobs), desc="runs", unit="run", disable=not progress,
+               file=sys.stderr, leave=False)
+    futures = []
+    try:
+        futures += [executor.submit(run, **job, cancel=cancel) for job in jobs]
         for _ in as_completed(futures):
             bar.update(1)
+    except KeyboardInterrupt:
+        cancel.set()
+        executor.shutdown(wait=True, cancel_futures=True)
+        results = [CancelledError() if f.cancelled() else f.exception() or f.result()
+                   for f in futures] + [CancelledError()] * (len(jobs) - len(futures))
+        done = sum(isinstance(r, Frames) for r in results)
+        cancelled = sum(isinstance(r, CancelledError) for r in results)
+        raise RunInterrupted(
+            f"{done} of {len(jobs)} runs done, {len(jobs) - done - cancelled} stopped, "
+            f"{cancelled} cancelled", results=results) from None
+    finally:
         bar.close()
-    return [future.result() for future in futures]
+        executor.shutdown(wait=True)
+    return [future.exception() or future.result() for future in futures]
+
+
+def frames_or_raise(results: list[Frames | BaseException]) -> list[Frames]:
+    """:func:`run_many`'s results when every job returned frames; else its first error,
+    raised (for callers whose output needs every run)."""
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
 
 
 def _execute(spec: dict[str, Any], meta: dict[str, Any], hang_timeout: float,
-             warm: bool, sglang_dir: Path | None = None) -> Frames:
+             warm: bool, sglang_dir: Path | None = None,
+             cancel: threading.Event | None = None) -> Frames:
     """Start the child (forked from a warm server of the run's SGLang release, or a cold
-    interpreter with the same ``PYTHONPATH``) and collect."""
-    log_fd, log_path = tempfile.mkstemp(prefix="contract_lib-", suffix=".log")
-    read_fd, write_fd = os.pipe()
+    interpreter with the same ``PYTHONPATH``) and collect. Whatever ends the wait (the
+    child, a hang, Ctrl-C, ``cancel``, an error here), the child is dead on return; the
+    log is an unnamed temporary file, so nothing is left on disk even if this process
+    is killed."""
+    with tempfile.TemporaryFile(prefix="contract_lib-", suffix=".log") as log:
+        read_fd, write_fd = os.pipe()
+        receiver = Connection(read_fd, writable=False)
+        server = child = None
+        try:
+            try:
+                server, child = _start(spec, write_fd, log.fileno(), warm, sglang_dir,
+                                       cancel)
+            finally:
+                os.close(write_fd)
+            return _collect(receiver, child, meta, hang_timeout, log.fileno(), cancel)
+        except KeyboardInterrupt:
+            if child is not None:
+                raise
+            return _frames({}, meta, "interrupted", _interrupted_error("setup"))
+        finally:
+            receiver.close()
+            if child is not None and child.returncode is None:
+                child.kill()
+                child.wait()
+            if server is not None:
+                clean = child is not None and not getattr(child, "server_lost", False)
+                (POOL.release if clean else POOL.discard)(server)
+
+
+def _start(spec: dict[str, Any], write_fd: int, log_fd: int, warm: bool,
+           sglang_dir: Path | None, cancel: threading.Event | None):
+    """The run's child, and the fork server it came from (None for a cold child). Warm:
+    the run's server args are checked against the release's ``ServerArgs`` first."""
     server = POOL.acquire(sglang_dir) if warm else None
     if server is not None:
         try:
-            child = server.start_run(spec, write_fd, log_fd)
+            found = problems(_user_server_args(spec), server.server_arg_kinds(cancel))
+            child = None if found else server.start_run(spec, write_fd, log_fd, cancel)
         except (EOFError, OSError):  # the server died before the run started: go cold
             POOL.discard(server)
-            server = None
-    if server is None:
-        env = child_env(sglang_dir)
-        child = subprocess.Popen(
-            [sys.executable, "-c",
-             "from contract_lib.harness import _child_entry; _child_entry()", str(write_fd)],
-            stdin=subprocess.PIPE, stdout=log_fd, stderr=log_fd, pass_fds=(write_fd,),
-            env=env)
-    os.close(write_fd)
-    os.close(log_fd)
-    if server is None:
+        except BaseException:  # interrupted mid-request: the server's state is unknown
+            POOL.discard(server)
+            raise
+        else:
+            if found:
+                POOL.release(server)
+                raise RunSetupError("; ".join(found))
+            return server, child
+    child = subprocess.Popen(
+        [sys.executable, "-c",
+         "from contract_lib.harness import _child_entry; _child_entry()",
+         str(write_fd), str(os.getpid())],
+        stdin=subprocess.PIPE, stdout=log_fd, stderr=log_fd, pass_fds=(write_fd,),
+        env=child_env(sglang_dir), start_new_session=True)
+    try:
         child.stdin.write(pickle.dumps(spec))
         child.stdin.close()
-    try:
-        return _collect(Connection(read_fd, writable=False), child, meta, hang_timeout,
-                        log_path)
-    finally:
-        if server is not None:
-            (POOL.release if child.returncode is not None else POOL.discard)(server)
+    except BaseException:
+        child.kill()
+        child.wait()
+        raise
+    return None, child
+
+
+def _user_server_args(spec: dict[str, Any]) -> dict[str, Any]:
+    """The server args the workload and the caller set (the base ones are known good)."""
+    return {**spec["workload"]["server_args"], **spec["server_args"]}
 
 
 def _collect(receiver: Connection, child, meta: dict[str, Any], hang_timeout: float,
-             log_path: str) -> Frames:
-    """Read the child's messages until it ends; turn them and its fate into Frames."""
+             log_fd: int, cancel: threading.Event | None = None) -> Frames:
+    """Read the child's messages until it ends; turn them and its fate into Frames.
+    A KeyboardInterrupt here (Ctrl-C, a notebook interrupt) or a set ``cancel`` kills
+    the child: the frames are then those captured so far, status ``interrupted``."""
     rows: dict[str, list[dict[str, Any]]] = {}
     index: dict[tuple[str, Any], dict[str, Any]] = {}
     end: tuple | None = None
     last_message = time.monotonic()
-    hung = False
-    while True:
-        if receiver.poll(1.0):
-            try:
-                message = receiver.recv()
-            except EOFError:
-                break
-            last_message = time.monotonic()
-            kind = message[0]
-            if kind == "row":
-                _, table, row = message
-                rows.setdefault(table, []).append(row)
-                if table == "launches":
-                    index[(table, row["launch"])] = row
-            elif kind == "rows":
-                for table, row in message[1]:
+    hung = interrupted = False
+    try:
+        while True:
+            if cancel is not None and cancel.is_set():
+                raise KeyboardInterrupt("cancelled")
+            if receiver.poll(_POLL_S):
+                try:
+                    message = receiver.recv()
+                except EOFError:
+                    break
+                last_message = time.monotonic()
+                kind = message[0]
+                if kind == "row":
+                    _, table, row = message
                     rows.setdefault(table, []).append(row)
-                rows.setdefault("slots", []).extend(_slot_rows(message[2]))
-            elif kind == "update":
-                _, table, _key, value, fields = message
-                index[(table, value)].update(fields)
-            elif kind == "meta":
-                meta.update(message[1])
-            elif kind == "end":
-                end = message
-        elif child.poll() is not None:
-            break
-        elif time.monotonic() - last_message > hang_timeout:
-            hung = True
-            child.kill()
-            break
-    receiver.close()
+                    if table == "launches":
+                        index[(table, row["launch"])] = row
+                elif kind == "rows":
+                    for table, row in message[1]:
+                        rows.setdefault(table, []).append(row)
+                    rows.setdefault("slots", []).extend(_slot_rows(message[2]))
+                elif kind == "update":
+                    _, table, _key, value, fields = message
+                    index[(table, value)].update(fields)
+                elif kind == "meta":
+                    meta.update(message[1])
+                elif kind == "end":
+                    end = message
+            elif child.poll() is not None:
+                break
+            elif time.monotonic() - last_message > hang_timeout:
+                hung = True
+                break
+    except KeyboardInterrupt:
+        interrupted = True
+    if hung or interrupted:
+        child.kill()
     child.wait(timeout=30)
-    log_tail = _tail(log_path)
-    os.unlink(log_path)
+    log_tail = _tail(log_fd)
+    phase = "loop" if rows.get("steps") else "setup"
 
-    if end is not None:
+    if interrupted:
+        status, error = "interrupted", _interrupted_error(phase)
+    elif end is not None:
         _, status, error = end
     elif hung:
         status, error = "timeout", {
@@ -261,7 +417,7 @@ def _collect(receiver: Connection, child, meta: dict[str, Any], hang_timeout: fl
             "traceback": None, "signal": None, "log_tail": log_tail}
     elif getattr(child, "server_lost", False):
         status, error = "died", {
-            "type": "ForkServerDied", "phase": "loop" if rows.get("steps") else "setup",
+            "type": "ForkServerDied", "phase": phase,
             "message": "the warm fork server died during the run, so the run's exit status "
                        "is unknown; its process was killed (rerun, or use warm=False)",
             "traceback": None, "signal": None, "exit_code": None, "log_tail": log_tail}
@@ -269,14 +425,26 @@ def _collect(receiver: Connection, child, meta: dict[str, Any], hang_timeout: fl
         code = child.returncode
         signame = signal.Signals(-code).name if code is not None and code < 0 else None
         status, error = "died", {
-            "type": "ChildDied", "phase": "loop" if rows.get("steps") else "setup",
+            "type": "ChildDied", "phase": phase,
             "message": (f"the child process died with {signame}" if signame
                         else f"the child process exited with code {code}"),
             "traceback": None, "signal": signame, "exit_code": code, "log_tail": log_tail}
     if error is not None and "log_tail" not in error:
         error["log_tail"] = log_tail
+    return _frames(rows, meta, status, error)
+
+
+def _frames(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any], status: str,
+            error: dict[str, Any] | None) -> Frames:
     meta.update({"status": status, "error": error, "steps": len(rows.get("steps", []))})
     return Frames.from_rows(rows, meta)
+
+
+def _interrupted_error(phase: str) -> dict[str, Any]:
+    return {"type": "KeyboardInterrupt", "phase": phase,
+            "message": "interrupted (Ctrl-C, a kernel interrupt or a cancelled batch); "
+                       "the child was killed, the frames are those captured until then",
+            "traceback": None, "signal": None}
 
 
 def _slot_rows(per_request: list[tuple]) -> list[dict[str, Any]]:
@@ -289,12 +457,19 @@ def _slot_rows(per_request: list[tuple]) -> list[dict[str, Any]]:
     ]
 
 
-def _tail(path: str, lines: int = 40) -> str:
+def _tail(log_fd: int) -> str:
+    """The last :data:`LOG_TAIL_LINES` lines of the log, reading at most its last
+    :data:`LOG_TAIL_BYTES` (a partial first line dropped)."""
     try:
-        text = Path(path).read_text(errors="replace")
+        size = os.fstat(log_fd).st_size
+        start = max(0, size - LOG_TAIL_BYTES)
+        data = os.pread(log_fd, size - start, start)
     except OSError:
         return ""
-    return "\n".join(text.splitlines()[-lines:])
+    lines = data.decode(errors="replace").splitlines()
+    if start > 0 and lines:
+        lines = lines[1:]
+    return "\n".join(lines[-LOG_TAIL_LINES:])
 
 
 # ------------------------------------------------------------------------------------------
@@ -306,6 +481,7 @@ def _child_entry() -> None:
     """Entry point of a cold child process: the run spec arrives pickled on stdin,
     messages go back on the pipe whose fd is ``argv[1]``; stdout and stderr go to the
     run's log."""
+    die_with_parent(int(sys.argv[2]))
     spec = pickle.loads(sys.stdin.buffer.read())
     child_run(spec, Connection(int(sys.argv[1]), readable=False))
     os._exit(0)  # skip SGLang's atexit teardown; everything was sent
@@ -324,7 +500,8 @@ def child_run(spec: dict[str, Any], conn: Connection) -> None:
         phase = "loop"
         loop_started = time.perf_counter()
         try:
-            scheduler.run_event_loop()
+            # OmniScheduler's entry; ``run_event_loop`` would be SGLang's, bound to it.
+            (scheduler.start if spec["loop"] == "omni" else scheduler.run_event_loop)()
         finally:
             timing["loop_s"] = time.perf_counter() - loop_started
         status, error = "crashed", _error("loop returned without finishing the workload")
@@ -387,9 +564,17 @@ def _build(spec: dict[str, Any], emit, timing: dict[str, float]):
     from contract_lib.patches import apply_patch
 
     holder: dict[str, Recorder] = {}
-    shims.install_torch_model_free_forward(
-        lambda batch, tokens: holder["recorder"].on_torch_launch(batch, tokens))
-    applied.append("torch-model-free-forward")
+
+    def on_launch(batch, tokens: list[int]) -> None:
+        holder["recorder"].on_torch_launch(batch, tokens)
+
+    if loop == "omni":
+        from contract_lib import omni
+
+        applied += omni.install_shims(spec["omni_dir"], on_launch)
+    else:
+        shims.install_torch_model_free_forward(on_launch)
+        applied.append("torch-model-free-forward")
     if loop == "mlx":
         if shims.install_mlx_runtime_gate_shim():
             applied.append("mlx-runtime-gate")
@@ -405,20 +590,28 @@ def _build(spec: dict[str, Any], emit, timing: dict[str, float]):
     args = {**BASE_SERVER_ARGS, "model_path": model_dir,
             "disable_overlap_schedule": loop == "normal",
             **workload.server_args, **spec["server_args"]}
+    if found := problems(_user_server_args(spec), accepted_kinds(ServerArgs)):
+        raise RunSetupError("; ".join(found))  # a cold run's parent could not check them
     server_args = ServerArgs(**args)
-    _check_overlap_arg(loop, server_args, args, workload.server_args, spec["server_args"],
-                       ServerArgs)
-    port_args = PortArgs.init_new(server_args)
-    runtime_context.publish(server_args, role="scheduler", ranks=runtime_context.SpawnRanks(
-        world_rank=0, dp_rank=None, gpu_id=0))
-    scheduler_class = shims.scheduler_class_for(loop)
-    if scheduler_class.__name__ != "Scheduler":
-        applied.append("mlx-overlap-mixin")
-    built = time.perf_counter()
-    scheduler = scheduler_class(server_args, port_args)
-    timing["build_s"] = time.perf_counter() - built
-    scheduler.request_receiver = shims.ScriptedReceiver()
-    applied.append("scripted-ingress")
+    if loop == "omni":  # its ModelWorker publishes the runtime context itself
+        built = time.perf_counter()
+        scheduler = omni.build_scheduler(server_args)
+        timing["build_s"] = time.perf_counter() - built
+    else:
+        _check_overlap_arg(loop, server_args, args, workload.server_args,
+                           spec["server_args"], ServerArgs)
+        port_args = PortArgs.init_new(server_args)
+        runtime_context.publish(server_args, role="scheduler",
+                                ranks=runtime_context.SpawnRanks(world_rank=0, dp_rank=None,
+                                                                 gpu_id=0))
+        scheduler_class = shims.scheduler_class_for(loop)
+        if scheduler_class.__name__ != "Scheduler":
+            applied.append("mlx-overlap-mixin")
+        built = time.perf_counter()
+        scheduler = scheduler_class(server_args, port_args)
+        timing["build_s"] = time.perf_counter() - built
+        scheduler.request_receiver = shims.ScriptedReceiver()
+        applied.append("scripted-ingress")
     emit(("meta", {"shims": applied, "expect": workload.expect,
                    "enable_overlap": bool(scheduler.enable_overlap),
                    "enable_overlap_mlx": bool(scheduler.enable_overlap_mlx)}))

@@ -5,18 +5,29 @@ A :class:`ForkServer` pays the import once; every run is still its own process (
 from the server, so nothing one run does to SGLang's classes or modules reaches the
 next), builds its own Scheduler, and streams its frames exactly as a cold child does.
 
-Protocol (one job at a time per server, over a UNIX socket pair): the client sends the
-pickled run spec together with two file descriptors (``socket.send_fds``): the write end
-of the run's message pipe and the run's log file. The server forks; it replies with the
-child's pid, then, after ``waitpid``, with the child's return code (negative: signal).
+Protocol (one request at a time per server, over a UNIX socket pair): ``("run", spec)``
+with two file descriptors (``socket.send_fds``): the write end of the run's message pipe
+and the run's log file. The server forks; it replies with the child's pid, then, after
+``waitpid``, with the child's return code (negative: signal). ``("server-arg-types",)``:
+the server replies with the kinds of value each ``ServerArgs`` field accepts
+(:mod:`contract_lib.serverargs`), so the client checks a run's server args before any
+child starts.
+
+Nothing outlives the client: a server runs in its own session (a terminal's Ctrl-C is
+the client's to handle), holds the read end of a *lifeline* pipe whose write end only the
+client has, and a thread that sees the lifeline close (the client exited or was killed)
+kills the current run and exits. Every run child dies with its server
+(:func:`die_with_parent`).
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import pickle
 import select
+import signal
 import socket
 import struct
 import subprocess
@@ -24,6 +35,20 @@ import sys
 import threading
 
 _HEADER = struct.Struct("!I")
+# Seconds between checks of a cancel event while waiting for a server's reply.
+_WAIT_STEP_S = 0.25
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Make this process get SIGKILL when its parent dies (Linux ``PR_SET_PDEATHSIG``;
+    it fires when the *thread* that started this process exits, so a parent starts its
+    children from threads that outlive them), and exit now if the parent already died."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(1)
 
 
 def _send(sock: socket.socket, obj, fds: list[int] = ()) -> None:
@@ -72,28 +97,55 @@ class ForkServer:
     def __init__(self, sglang_dir=None) -> None:
         self.sglang_dir = sglang_dir
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        lifeline, write_end = os.pipe()  # only this process holds the write end
+        self.lifeline: int | None = write_end
         env = child_env(sglang_dir)
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", "from contract_lib.pool import serve; serve()",
-             str(child_end.fileno())],
-            pass_fds=(child_end.fileno(),), stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-        child_end.close()
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", "from contract_lib.pool import serve; serve()",
+                 str(child_end.fileno()), str(lifeline)],
+                pass_fds=(child_end.fileno(), lifeline), stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                start_new_session=True)
+        finally:
+            child_end.close()
+            os.close(lifeline)
         self.sock = parent_end
-        self.lock = threading.Lock()
+        self.arg_kinds: dict | None = None
 
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def start_run(self, spec: dict, write_fd: int, log_fd: int) -> "WarmChild":
-        _send(self.sock, spec, [write_fd, log_fd])
-        (kind, pid), _ = _recv(self.sock)
+    def server_arg_kinds(self, cancel: threading.Event | None = None) -> dict:
+        """The kinds of value each ``ServerArgs`` field accepts, asked once per server."""
+        if self.arg_kinds is None:
+            _send(self.sock, ("server-arg-types",))
+            (kind, self.arg_kinds), _ = self._reply(cancel)
+            assert kind == "server-arg-types", kind
+        return self.arg_kinds
+
+    def start_run(self, spec: dict, write_fd: int, log_fd: int,
+                  cancel: threading.Event | None = None) -> "WarmChild":
+        _send(self.sock, ("run", spec), [write_fd, log_fd])
+        (kind, pid), _ = self._reply(cancel)
         assert kind == "pid", kind
         return WarmChild(self, pid)
 
+    def _reply(self, cancel: threading.Event | None):
+        """The server's next message; a set ``cancel`` raises KeyboardInterrupt (the
+        server, in an unknown state, is then the caller's to discard)."""
+        while not select.select([self.sock], [], [], _WAIT_STEP_S)[0]:
+            if cancel is not None and cancel.is_set():
+                raise KeyboardInterrupt("cancelled")
+        return _recv(self.sock)
+
     def close(self) -> None:
+        """Close the socket and the lifeline (the server exits) and make sure it is gone."""
         try:
             self.sock.close()
+            if self.lifeline is not None:
+                os.close(self.lifeline)
+                self.lifeline = None
         finally:
             if self.alive():
                 self.process.kill()
@@ -206,29 +258,58 @@ def preload() -> None:
 
 
 def serve() -> None:
-    """Server main loop: one job at a time; exits when the client closes the socket."""
+    """Server main loop: one request at a time; exits when the client closes the socket
+    or its lifeline (then killing the run in progress)."""
     from multiprocessing.connection import Connection
 
     from contract_lib.harness import child_run
+    from contract_lib.serverargs import accepted_kinds
 
     sock = socket.socket(fileno=int(sys.argv[1]))
+    current: dict[str, int] = {}
+    threading.Thread(target=_watch_lifeline, args=(int(sys.argv[2]), current),
+                     daemon=True).start()
     preload()
+    server_pid = os.getpid()
     while True:
         try:
-            spec, fds = _recv(sock, with_fds=2)
+            request, fds = _recv(sock, with_fds=2)
         except (EOFError, ConnectionError):
             return
+        if request[0] == "server-arg-types":
+            from sglang.srt.server_args import ServerArgs
+
+            _send(sock, ("server-arg-types", accepted_kinds(ServerArgs)))
+            continue
+        spec = request[1]
         write_fd, log_fd = fds
         pid = os.fork()
         if pid == 0:
+            die_with_parent(server_pid)
             sock.close()
             os.dup2(log_fd, 1)
             os.dup2(log_fd, 2)
             child_run(spec, Connection(write_fd, readable=False))
             os._exit(0)
+        current["pid"] = pid
         os.close(write_fd)
         os.close(log_fd)
         _send(sock, ("pid", pid))
         _, status = os.waitpid(pid, 0)
+        current.pop("pid", None)
         code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
         _send(sock, ("exit", code))
+
+
+def _watch_lifeline(fd: int, current: dict[str, int]) -> None:
+    """Block until the client's end of the lifeline closes (nothing is ever written to
+    it), then kill the run in progress and exit."""
+    while os.read(fd, 1):
+        pass
+    pid = current.get("pid")
+    if pid is not None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os._exit(0)

@@ -13,7 +13,7 @@ import pandas as pd
 from contract_lib.contract import (CLAUSES, HOLDS, MASKED, NOT_EXERCISED, VIOLATED, Report,
                                    check)
 from contract_lib.extensions import EXTENDED_FIELDS, origin, sglang_finding
-from contract_lib.harness import LOOPS, run_many
+from contract_lib.harness import LOOPS, SGLANG_LOOPS, frames_or_raise, run_many
 from contract_lib.patches import PatchArg, patch_spec
 from contract_lib.verdict import Outcome, loop_mismatch, setup_failed, worst
 from contract_lib.workloads import workload_names
@@ -29,8 +29,8 @@ KV_POOL_ROW = "- KV pool (real MlxModelRunner)"
 # shows ``vacuous``: none of them earned ``holds``.
 SETUP_ERROR, VACUOUS = "setup-error", "vacuous"
 # Worst first: the status a (clause, loop) cell shows over several workloads.
-_SEVERITY = [VIOLATED, MASKED, SETUP_ERROR, "crashed", "died", "timeout", VACUOUS, HOLDS,
-             NOT_EXERCISED]
+_SEVERITY = [VIOLATED, MASKED, SETUP_ERROR, "crashed", "died", "timeout", "interrupted",
+             VACUOUS, HOLDS, NOT_EXERCISED]
 REFERENCE_LOOPS = ("normal", "overlap")
 # The cell of a (clause, loop) whose every violating run is a catalogued SGLang-wide bug
 # (contract_lib.extensions.sglang_finding): reported, and not a reference-loop failure.
@@ -188,8 +188,9 @@ def _findings_note(table: pd.DataFrame) -> list[str]:
 
 
 def default_loops(runner: str = "model-free") -> tuple[str, ...]:
-    """Every loop, or only ``mlx`` for the real runner (the torch loops stay model-free)."""
-    return ("mlx",) if runner == "real" else LOOPS
+    """SGLang's loops, or only ``mlx`` for the real runner (the torch loops stay
+    model-free). ``omni`` (sglang-omni, pinned to SGLang 0.5.22) runs when asked for."""
+    return ("mlx",) if runner == "real" else SGLANG_LOOPS
 
 
 def status(workloads: list[str] | None = None, loops: tuple[str, ...] | None = None,
@@ -275,9 +276,13 @@ def releases_status(versions: list[str | None], workloads: list[str] | None = No
     for version in resolved:
         sglang_path(version)  # install before the parallel runs, one release at a time
     keys = [(v, w, loop) for v in resolved for w in workloads for loop in loops]
+    requested = dict(zip(resolved, versions))
+    # ``omni`` runs on its pinned release: the default (None) lets it choose it.
     frames = run_many([{"workload": w, "loop": loop, "patch": spec, "cache": cache,
-                        "warm": warm, "runner": runner, "sglang": v}
+                        "warm": warm, "runner": runner,
+                        "sglang": requested[v] if loop == "omni" else v}
                        for v, w, loop in keys], progress=progress)
+    frames = frames_or_raise(frames)  # e.g. a bad server arg: the table needs every run
     statuses = []
     for version in resolved:
         runs = [((w, loop), f) for (v, w, loop), f in zip(keys, frames) if v == version]

@@ -95,29 +95,42 @@ class Workload:
                 requests=requests,
                 description=str(raw.get("description", "")).strip(),
                 server_args=dict(raw.get("server_args", {})),
-                max_steps=int(raw.get("max_steps", 200)),
+                max_steps=raw.get("max_steps", 200),
                 expect=dict(raw.get("expect", {})),
             )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise WorkloadError(f"{source}: invalid workload ({exc!r})") from exc
+        except WorkloadError as exc:
+            raise WorkloadError(f"{source}: {exc}") from None
+        except KeyError as exc:
+            raise WorkloadError(f"{source}: invalid workload: missing field {exc}") from exc
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise WorkloadError(f"{source}: invalid workload ({exc})") from exc
         workload.validate(source)
         return workload
 
     def validate(self, source: str = "<workload>") -> None:
+        """Reject what SGLang would misread: counts that are not integers (``1.5``,
+        ``"3"`` and ``true`` included), negative arrivals, reserved token ids, bad turns."""
+        _require_int(self.max_steps, "max_steps", source, minimum=1)
+        if not self.requests:
+            raise WorkloadError(f"{source}: no requests")
         rids = [r.rid for r in self.requests]
         if len(set(rids)) != len(rids):
             raise WorkloadError(f"{source}: duplicate request ids in {rids}")
         for spec in self.requests:
+            where = f"{source}: request {spec.rid!r}"
             if spec.turn_of is not None and spec.turn_of not in rids[: rids.index(spec.rid)]:
                 raise WorkloadError(
-                    f"{source}: request {spec.rid!r} is a turn of {spec.turn_of!r}, "
+                    f"{where} is a turn of {spec.turn_of!r}, "
                     "which must be an earlier request of the workload")
             if spec.turn_of is None and not spec.prompt:
-                raise WorkloadError(f"{source}: request {spec.rid!r} has an empty prompt")
+                raise WorkloadError(f"{where} has an empty prompt")
+            for token in spec.prompt:
+                _require_int(token, "prompt token", where)
             if any(t < 10 for t in spec.prompt):
-                raise WorkloadError(f"{source}: request {spec.rid!r} uses reserved ids < 10")
-            if spec.max_new_tokens < 1:
-                raise WorkloadError(f"{source}: request {spec.rid!r} needs max_new_tokens >= 1")
+                raise WorkloadError(f"{where} uses reserved ids < 10")
+            _require_int(spec.max_new_tokens, "max_new_tokens", where, minimum=1)
+            _require_int(spec.arrival, "arrival", where, minimum=0)
+
         self._validate_expect(source, rids)
 
     def _validate_expect(self, source: str, rids: list[str]) -> None:
@@ -137,18 +150,41 @@ class Workload:
             raise WorkloadError(f"{source}: [expect] vacuous must be true or false, got "
                                 f"{self.expect['vacuous']!r}")
 
+    def check_vocabulary(self, vocab_size: int, source: str = "<workload>") -> None:
+        """Every prompt token id must be below the model's ``vocab_size``."""
+        for spec in self.requests:
+            outside = [t for t in spec.prompt if t >= vocab_size]
+            if outside:
+                raise WorkloadError(
+                    f"{source}: request {spec.rid!r} uses token ids {outside[:5]} outside "
+                    f"the model's vocabulary (ids 0..{vocab_size - 1}, vocab_size "
+                    f"{vocab_size})")
+
+
+def _require_int(value: Any, field: str, where: str, minimum: int | None = None) -> None:
+    """A count or id must be a real integer (not a bool, float or string)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise WorkloadError(f"{where}: {field} must be an integer, got {value!r} "
+                            f"({type(value).__name__})")
+    if minimum is not None and value < minimum:
+        raise WorkloadError(f"{where}: {field} must be >= {minimum}, got {value}")
+
 
 def _request_from_dict(raw: dict[str, Any]) -> RequestSpec:
+    """Field values are kept as written; :meth:`Workload.validate` checks their types."""
+    rid = str(raw["rid"])
     if "prompt_range" in raw:
         start, stop = raw["prompt_range"]
-        prompt = tuple(range(int(start), int(stop)))
+        for bound in (start, stop):
+            _require_int(bound, "prompt_range", f"request {rid!r}")
+        prompt = tuple(range(start, stop))
     else:
-        prompt = tuple(int(t) for t in raw.get("prompt", ()))
+        prompt = tuple(raw.get("prompt", ()))
     return RequestSpec(
-        rid=str(raw["rid"]),
+        rid=rid,
         prompt=prompt,
-        max_new_tokens=int(raw["max_new_tokens"]),
-        arrival=int(raw.get("arrival", 0)),
+        max_new_tokens=raw["max_new_tokens"],
+        arrival=raw.get("arrival", 0),
         turn_of=raw.get("turn_of"),
     )
 
@@ -164,14 +200,23 @@ def load_workload(name_or_path: str | Path) -> Workload:
     if path.suffix != ".toml":
         path = WORKLOAD_DIR / f"{name_or_path}.toml"
         if not path.exists():
+            if Path(name_or_path).is_dir():
+                raise WorkloadError(f"{name_or_path}: a directory, not a workload file")
             raise WorkloadError(
                 f"unknown workload {str(name_or_path)!r}; "
                 f"shipped workloads: {', '.join(workload_names())} (or a path to a .toml file)")
     elif not path.exists():
         raise WorkloadError(f"workload file not found: {path}")
-    with path.open("rb") as handle:
-        try:
+    elif path.is_dir():
+        raise WorkloadError(f"{path}: a directory, not a workload file")
+    try:
+        with path.open("rb") as handle:
             raw = tomllib.load(handle)
-        except tomllib.TOMLDecodeError as exc:
-            raise WorkloadError(f"{path}: not valid TOML ({exc})") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise WorkloadError(f"{path}: not valid TOML ({exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise WorkloadError(f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at "
+                            f"offset {exc.start}); TOML files must be UTF-8") from exc
+    except OSError as exc:
+        raise WorkloadError(f"{path}: cannot read the workload file ({exc.strerror})") from exc
     return Workload.from_dict(raw, source=str(path))

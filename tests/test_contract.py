@@ -241,4 +241,5 @@ def test_patched_loop_keeps_the_capture_hooks(run_cached):
 def test_a_run_that_fails_in_setup_is_exit_code_2(capsys):
     assert main(["check", "--loop", "normal", "--workload", "single-decode",
                  "--server-arg", "max_runing_requests=4", "--out", "/dev/null"]) == 2
-    assert "max_runing_requests" in capsys.readouterr().out
+    captured = capsys.readouterr()  # checked before the run (stderr) or in it (stdout)
+    assert "max_runing_requests" in captured.out + captured.err

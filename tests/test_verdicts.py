@@ -119,7 +119,7 @@ max_steps = 60
 {expect}
 [[requests]]
 rid = "long"
-prompt_range = [10, 1200]      # 1190 tokens: past the model's 1024-token context
+prompt = """ + str([10 + i % 500 for i in range(1190)]) + """  # past the 1024-token context
 max_new_tokens = 4
 
 [[requests]]

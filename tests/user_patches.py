@@ -69,3 +69,26 @@ def overlap_off_after_build():
         self.enable_overlap = False
 
     Scheduler.__init__ = __init__
+
+
+def print_a_lot():
+    """Write 100 MB of lines and a last line to stdout (the run's log), then raise."""
+    def action():
+        line = b"x" * 1023 + b"\n"
+        for _ in range(100):
+            os.write(1, line * 1024)
+        os.write(1, b"the last line of a chatty child\n")
+        raise RuntimeError("after a lot of output")
+
+    _on_call(action)
+
+
+def omni_forward_raises():
+    """sglang-omni: the (model-free) decode forward raises; OmniScheduler catches it,
+    aborts the batch's requests and carries on (``handle_batch_failure``)."""
+    from sglang_omni.model_runner.base import ModelRunner
+
+    def custom_decode_forward(self, *args, **kwargs):
+        raise RuntimeError("injected decode failure")
+
+    ModelRunner.custom_decode_forward = custom_decode_forward
