@@ -243,16 +243,22 @@ def fix_processed_tokens_counter() -> None:
     and leaves the decode lanes out. MLX (``_prepare_mlx_launch``, fresh and chained):
     the loop never advanced it; it now does, by the same amount, after the stamps (a
     wrapper, so it composes with ``no-forward-ct`` / ``no-launch-ts`` applied first).
+    sglang-omni's ``OmniScheduler.stamp_batch_launch`` ("mirror upstream per-forward
+    bookkeeping", loop ``omni``) copies the same lines and gets the same fix.
     """
     from sglang.srt.managers.scheduler import Scheduler
 
-    patch_source(Scheduler, "run_batch", [
-        ("if batch.extend_num_tokens:\n"
-         "    self.processed_tokens_counter += batch.extend_num_tokens\n",
-         "if batch.forward_mode.is_extend() and batch.extend_num_tokens:\n"
-         "    self.processed_tokens_counter += batch.extend_num_tokens - len(\n"
-         "        batch.decoding_reqs or ())\n"),
-    ], "fix-processed-tokens-counter")
+    advance = [("if batch.extend_num_tokens:\n"
+                "    self.processed_tokens_counter += batch.extend_num_tokens\n",
+                "if batch.forward_mode.is_extend() and batch.extend_num_tokens:\n"
+                "    self.processed_tokens_counter += batch.extend_num_tokens - len(\n"
+                "        batch.decoding_reqs or ())\n")]
+    patch_source(Scheduler, "run_batch", advance, "fix-processed-tokens-counter")
+    if importlib.util.find_spec("sglang_omni") is not None:  # loop omni: its own copy
+        from sglang_omni.scheduling.omni_scheduler import OmniScheduler
+
+        patch_source(OmniScheduler, "stamp_batch_launch", advance,
+                     "fix-processed-tokens-counter")
     mixin = _mlx_mixin()
     stamp = mixin._prepare_mlx_launch
 

@@ -321,7 +321,7 @@ def test_status_shows_the_sglang_wide_bug_without_failing_the_reference_gate(run
 def test_sglang_wide_findings_are_catalogued():
     bugs = {bug["id"]: bug for bug in bug_catalog()}
     bug = bugs["processed-tokens-counter"]
-    assert bug["clause"] == 6 and set(bug["loops"]) == {"normal", "overlap"}
+    assert bug["clause"] == 6 and set(bug["loops"]) == {"normal", "overlap", "omni"}
     assert bugs["backend-state"]["clause"] == 7
 
 
@@ -352,3 +352,16 @@ def test_frames_without_the_extension_tables_are_not_exercised(torch_good):
     assert report.clauses[6].status == NOT_EXERCISED
     assert report.clauses[7].status == NOT_EXERCISED
     assert report.clauses[2].status == HOLDS  # the RFC's three counters still checked
+
+
+@pytest.mark.parametrize("workload", ["two-turn", "mixed-chunk"])
+def test_omni_copies_the_clock_bug_and_the_fix_covers_it(run_cached, workload):
+    """sglang-omni's OmniScheduler.stamp_batch_launch copies run_batch's counter lines:
+    the same SGLang-wide finding; fix-processed-tokens-counter patches that copy too.
+    Its ModelWorker keeps no per-request state: clause 7 is not exercised."""
+    report = check(run_cached(workload, "omni"))
+    assert sglang_finding(6, report.clauses[6]) == "processed-tokens-counter"
+    assert report.clauses[7].status == NOT_EXERCISED
+    assert report.clauses[2].status == HOLDS
+    fixed = check(run_cached(workload, "omni", "fix-processed-tokens-counter"))
+    assert fixed.clauses[6].status == HOLDS
