@@ -20,6 +20,7 @@ import ast
 import sys
 from pathlib import Path
 
+from contract_lib.extensions import CLAUSE_SETS
 from contract_lib.frames import Frames
 from contract_lib.harness import LOOPS, RUNNERS, RunInterrupted, RunSetupError, run
 from contract_lib.patches import BUILTIN_PATCHES, PatchError
@@ -79,6 +80,13 @@ def _add_release_options(parser: argparse.ArgumentParser, repeat: bool = False) 
         parser.add_argument("--sglang", metavar="VERSION", help=f"the SGLang release "
                             f"({versions}; default: the venv's); others install into "
                             ".cache/sglang/<version> on first use")
+
+
+def _add_clauses_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--clauses", choices=CLAUSE_SETS, default="all",
+                        help="all: RFC #32833's five clauses and this project's extensions "
+                        "(decode_batch_idx in clause 2, clauses 6 and 7; default); rfc: the "
+                        "RFC's five only")
 
 
 def _add_speed_options(parser: argparse.ArgumentParser) -> None:
@@ -155,7 +163,7 @@ def cmd_check(args) -> int:
     from contract_lib.contract import check
 
     frames = _run(args)
-    report = check(frames)
+    report = check(frames, args.clauses)
     if setup_failed(frames.meta):
         print(run_summary(frames))
         print(report.verdict().line())
@@ -181,7 +189,7 @@ def cmd_status(args) -> int:
                              loops=tuple(args.loop) if args.loop else None,
                              patch="+".join(args.patch) if args.patch else None,
                              cache=not args.no_cache, warm=not args.cold,
-                             runner=args.runner)
+                             runner=args.runner, clauses=args.clauses)
     print(result.text())
     reference = result.reference_violations()
     if not reference.empty:
@@ -255,9 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_options(run_parser)
     run_parser.set_defaults(handler=cmd_run)
     check_parser = commands.add_parser(
-        "check", help="run, then check the five clauses; exit 0 pass, 1 a clause violated, "
+        "check", help="run, then check the clauses (--clauses); exit 0 pass, 1 a clause violated, "
         "2 set-up error, 3 the run did not finish, 4 vacuous (see README)")
     _add_run_options(check_parser)
+    _add_clauses_option(check_parser)
     check_parser.set_defaults(handler=cmd_check)
     status_parser = commands.add_parser(
         "status", help="the measured clause x loop table over the shipped workloads")
@@ -269,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
                                help="apply this patch to every run (repeatable)")
     _add_release_options(status_parser, repeat=True)
     _add_speed_options(status_parser)
+    _add_clauses_option(status_parser)
     status_parser.set_defaults(handler=cmd_status)
     audit_parser = commands.add_parser(
         "audit", help="effects audit: what the torch loops' steps write that mlx does not")
