@@ -33,13 +33,16 @@ from pathlib import Path
 import pandas as pd
 
 from contract_lib.frames import Frames
-# The effects audit compares SGLang's own loops (not sglang-omni's).
-from contract_lib.harness import SGLANG_LOOPS as LOOPS, frames_or_raise, run_many
+from contract_lib import loops
+from contract_lib.harness import frames_or_raise, run_many
 from contract_lib.patches import PatchArg, patch_spec
 from contract_lib.verdict import Outcome, setup_failed
 
-REFERENCE_LOOPS = ("normal", "overlap")
-CANDIDATE_LOOP = "mlx"
+# The effects audit compares the default loops (SGLang's own, not sglang-omni's): the
+# reference loops' cadences against the (first) candidate's.
+LOOPS = loops.default_names()
+REFERENCE_LOOPS = tuple(loop for loop in LOOPS if loops.spec(loop).reference)
+CANDIDATE_LOOP = next(loop for loop in LOOPS if not loops.spec(loop).reference)
 
 
 class AuditRunFailed(RuntimeError):
@@ -66,7 +69,7 @@ CLAUSE_OF_FIELD = {
 }
 _TIMING = re.compile(r"(^|_)(ts|time|times|timestamp|latency|ns|us|ms|wall|monotonic|"
                      r"duration|elapsed|busy)(_|$)|_at$|_ts_|start_time", re.IGNORECASE)
-_LOOP_FUNCTIONS = ("event_loop_normal", "event_loop_overlap", "event_loop_overlap_mlx")
+_LOOP_FUNCTIONS = tuple(loops.spec(loop).function for loop in LOOPS)
 
 
 def _constructing(location: str) -> bool:

@@ -41,14 +41,11 @@ from typing import Any
 from contract_lib.atomic import temporary_name_pattern
 from contract_lib.frames import (SCHEMA_VERSION, Frames, FramesFormatError, read_payload,
                                  write_payload)
+from contract_lib.paths import MODEL_DIR, PACKAGE_DIR, PROJECT_ROOT
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-# The modules whose code determines a run's frames (not the checker or presentation).
-_RUN_MODULES = ("cache", "capture", "effects", "frames", "harness", "kvpool", "omni",
-                "patches", "pool", "shims", "tiny_model", "versions", "workloads")
-LIBRARY_FILES = sorted(
-    [*(Path(__file__).parent / f"{name}.py" for name in _RUN_MODULES),
-     PROJECT_ROOT / "data" / "model" / "config.json"])
+# In the key: the whole package's source (a new module cannot be forgotten; an edit to the
+# checker or the views re-runs too, which costs seconds) and the model-free model config.
+LIBRARY_FILES = sorted([*PACKAGE_DIR.rglob("*.py"), MODEL_DIR / "config.json"])
 DEFAULT_DIR = PROJECT_ROOT / ".cache" / "frames"
 
 
@@ -115,8 +112,8 @@ def _files_fingerprint(install_stamp: tuple, sglang_dir: str | None = None) -> s
 
 
 def _library_fingerprint() -> str:
-    return _digest([(p.name, hashlib.sha256(p.read_bytes()).hexdigest())
-                    for p in LIBRARY_FILES])
+    return _digest([(str(p.relative_to(PROJECT_ROOT)),
+                     hashlib.sha256(p.read_bytes()).hexdigest()) for p in LIBRARY_FILES])
 
 
 def _patch_sources(patch: str | None) -> list[Any]:
@@ -174,7 +171,7 @@ def _file_hash(path: str) -> str | None:
 def user_modules() -> dict[str, str | None]:
     """Called in the run's child at the end of the run: ``{file: sha256}`` of every
     loaded module whose file lies outside the installed code (:func:`_installed_roots`)
-    and is not one of this library's run modules (those are in the key): a user patch,
+    and is not one of this library's modules (those are in the key): a user patch,
     every module of the user's own that it imported, and any other module of this
     checkout. None for a file that cannot be read (such a run is not cached)."""
     import sys

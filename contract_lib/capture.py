@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from contract_lib.loops import OMNI, LoopSpec
 from contract_lib.workloads import RequestSpec, Workload
 
 Emit = Callable[[tuple], None]
@@ -91,7 +92,7 @@ class Recorder:
     key, value, fields)``; nothing is buffered, so a dying child loses nothing taken.
     """
 
-    def __init__(self, scheduler, loop: str, workload: Workload, emit: Emit,
+    def __init__(self, scheduler, loop_spec: LoopSpec, workload: Workload, emit: Emit,
                  capture: bool = True, audit: bool = False) -> None:
         self.s = scheduler
         self.capture = capture
@@ -100,7 +101,9 @@ class Recorder:
             from contract_lib.effects import EffectsRecorder
 
             self.effects = EffectsRecorder()
-        self.loop = loop
+        self.loop = loop_spec.name
+        self.mlx = loop_spec.mlx  # the MLX mixin's launch hooks and relay import
+        self.omni = loop_spec.family == OMNI  # sglang-omni's ingress, resolve and queue
         self.workload = workload
         self.emit = emit
         self.step = -1
@@ -125,7 +128,7 @@ class Recorder:
 
     def install(self) -> None:
         s = self.s
-        boundary = "recv_requests" if self.loop == "omni" else "ingest_requests"
+        boundary = "recv_requests" if self.omni else "ingest_requests"
         real_ingest = getattr(s, boundary)
         real_add = s._add_request_to_queue
         real_process = s.process_batch_result
@@ -143,7 +146,7 @@ class Recorder:
             return real_process(batch, result, *args, **kwargs)
 
         setattr(s, boundary, ingest_requests)
-        if self.loop == "omni":
+        if self.omni:
             real_build = s.request_builder
 
             def request_builder(payload):
@@ -158,12 +161,12 @@ class Recorder:
             return  # feed and stop only: the baseline for the capture overhead
         s.process_batch_result = process_batch_result
         self._install_row_write_hook()
-        if self.loop == "omni":
+        if self.omni:
             self._install_omni_resolve_hook()
         self._install_relay_hooks()
         if self.effects is not None:
             self.effects.install(s)
-        if self.loop == "mlx":
+        if self.mlx:
             self._install_mlx_launch_hooks()
         self.backend = BackendStateRecorder(self.s)
 
@@ -195,9 +198,9 @@ class Recorder:
             return real_resolve(batch, fmap)
 
         scheduler_module.resolve_forward_inputs = resolve_forward_inputs
-        if self.loop == "omni":  # its execution bridge imports it at every forward
+        if self.omni:  # its execution bridge imports it at every forward
             overlap_utils.resolve_forward_inputs = resolve_forward_inputs
-        if self.loop == "mlx":
+        if self.mlx:
             from sglang.srt.hardware_backend.mlx import scheduler_mixin
 
             scheduler_mixin.resolve_forward_inputs = resolve_forward_inputs
@@ -391,7 +394,7 @@ class Recorder:
             self._emit_effects()
         if self.capture:
             self.snapshot()
-        if self.loop == "omni":
+        if self.omni:
             self._raise_omni_errors()
         if self.done():
             raise StopRun()
@@ -433,14 +436,13 @@ class Recorder:
     def _in_flight(self) -> int:
         """Launched steps not yet processed that the loop carries to its next iteration:
         SGLang's overlap loops' ``result_queue``; omni's lookahead step (``async_pending``)."""
-        if self.loop == "omni":
+        if self.omni:
             return int(self.s.async_pending is not None)
         return len(getattr(self.s, "result_queue", ()) or ())
 
     def _overlaps(self) -> bool:
         """Whether the loop can carry in-flight work (omni: ``enable_async_decode``)."""
-        return bool(self.s.enable_overlap or (self.loop == "omni"
-                                              and self.s.enable_async_decode))
+        return bool(self.s.enable_overlap or (self.omni and self.s.enable_async_decode))
 
     def feed(self) -> None:
         for spec in self.workload.requests:
@@ -452,7 +454,7 @@ class Recorder:
                 if parent is None or not parent.finished():
                     continue
                 prompt = list(parent.origin_input_ids) + list(parent.output_ids) + prompt
-            if self.loop == "omni":
+            if self.omni:
                 from contract_lib.shims import omni_request_message
 
                 self.s.inbox.put(omni_request_message(spec.rid, prompt, spec.max_new_tokens))

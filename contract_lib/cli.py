@@ -22,7 +22,8 @@ from pathlib import Path
 
 from contract_lib.extensions import CLAUSE_SETS
 from contract_lib.frames import Frames
-from contract_lib.harness import LOOPS, RUNNERS, RunInterrupted, RunSetupError, run
+from contract_lib import loops
+from contract_lib.harness import RUNNERS, RunInterrupted, RunSetupError, run
 from contract_lib.patches import BUILTIN_PATCHES, PatchError
 from contract_lib.report import run_summary, step_table
 from contract_lib.verdict import Outcome, setup_failed, worst
@@ -52,7 +53,7 @@ def _server_arg(text: str) -> tuple[str, object]:
 
 
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--loop", required=True, help=f"one of: {', '.join(LOOPS)}")
+    parser.add_argument("--loop", required=True, help=f"one of: {', '.join(loops.names())}")
     parser.add_argument("--workload", required=True,
                         help="a shipped workload name or a path to a .toml workload")
     parser.add_argument("--patch", action="append", help="a built-in patch "
@@ -214,11 +215,13 @@ def cmd_audit(args) -> int:
 def cmd_trace(args) -> int:
     from contract_lib.trace import write_trace
 
-    loops = args.loop or ["normal", "mlx"]
+    # Default: the first reference loop beside the first candidate.
+    chosen = args.loop or [loops.reference_names()[0],
+                           next(n for n in loops.default_names() if not loops.spec(n).reference)]
     patch = "+".join(args.patch) if args.patch else None
     runs = [run(args.workload, loop, patch=patch, cache=not args.no_cache,
-                warm=not args.cold) for loop in loops]
-    name = f"{Path(args.workload).stem}.{'-'.join(loops)}"
+                warm=not args.cold) for loop in chosen]
+    name = f"{Path(args.workload).stem}.{'-'.join(chosen)}"
     if patch:
         name += "." + _file_part(patch)
     if args.wall_clock:
@@ -229,7 +232,7 @@ def cmd_trace(args) -> int:
     except OSError as exc:
         print(f"error: could not write the trace to {out}: {exc}", file=sys.stderr)
         return Outcome.USAGE
-    print(f"trace of {', '.join(loops)} on {args.workload} written to {path}; open it in "
+    print(f"trace of {', '.join(chosen)} on {args.workload} written to {path}; open it in "
           "https://ui.perfetto.dev (Open trace file) or chrome://tracing")
     for frames in runs:
         if frames.status != "finished":
@@ -272,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
         "status", help="the measured clause x loop table over the shipped workloads")
     status_parser.add_argument("--workload", action="append",
                                help="restrict to these workloads (repeatable)")
-    status_parser.add_argument("--loop", action="append", choices=LOOPS,
+    status_parser.add_argument("--loop", action="append", choices=loops.names(),
                                help="restrict to these loops (repeatable)")
     status_parser.add_argument("--patch", action="append",
                                help="apply this patch to every run (repeatable)")
@@ -287,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     audit_parser.set_defaults(handler=cmd_audit)
     trace_parser = commands.add_parser(
         "trace", help="write a Chrome/Perfetto trace of one or more loops on a workload")
-    trace_parser.add_argument("--loop", action="append", choices=LOOPS,
+    trace_parser.add_argument("--loop", action="append", choices=loops.names(),
                               help="a loop to include, one process each (repeatable; "
                                    "default: normal and mlx)")
     trace_parser.add_argument("--workload", required=True)

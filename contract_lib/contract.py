@@ -58,6 +58,7 @@ import pandas as pd
 
 from contract_lib.extensions import (EXTENDED_FIELDS, EXTENSION_CLAUSES, clause_checks,
                                      origin, sglang_finding)
+from contract_lib import loops
 from contract_lib.frames import Frames, run_title
 from contract_lib.verdict import Outcome, Verdict, verdict
 
@@ -438,7 +439,7 @@ def check_relay(frames: Frames) -> ClauseResult:
     fate = pd.Series("became the decode input id of the forward", index=bad.index)
     mixed_fate = ("reached batch.input_ids of a mixed batch (torch.cat with the prefill ids; "
                   "on MPS this is the #32591 segfault)")
-    if loop == "mlx":
+    if loops.known(loop).mlx:
         mixed_fate += ("; the MLX decode lane then takes its token from the runner, so the "
                        "model discarded the value")
     fate = fate.where(bad["kind"] != "mixed", mixed_fate)
@@ -469,9 +470,10 @@ def check_idle_predicate(frames: Frames) -> ClauseResult:
                             _violations(5, loop, []))
     bad = in_flight[in_flight["idle_probe"].astype(bool)]
     masked = ~bad["is_fully_idle"].astype(bool)
-    # The loop's in-flight work: SGLang's overlap loops queue it in ``result_queue``;
-    # sglang-omni's lookahead holds one launched step in ``async_pending``.
-    queue = "async_pending" if loop == "omni" else "result_queue"
+    # The loop's in-flight work (:attr:`LoopSpec.in_flight`): SGLang's overlap loops queue
+    # it in ``result_queue``; sglang-omni's lookahead holds one launched step in
+    # ``async_pending``.
+    queue = loops.known(loop).in_flight
     rows = pd.DataFrame({
         "field": queue, "step": bad["step"].astype("int64"),
         "expected": "not idle (in-flight term)",

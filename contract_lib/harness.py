@@ -11,13 +11,14 @@ its runner (``runner=``: the model-free next-token function, or SGLang's real
 
 Nothing outlives the parent: children run in their own session (a terminal's Ctrl-C is
 the parent's to handle: it kills them and keeps the frames, :class:`RunInterrupted`),
-die with the parent if it is killed (:func:`contract_lib.pool.die_with_parent`, and the
+die with the parent if it is killed (:func:`contract_lib.child.die_with_parent`, and the
 fork servers' lifeline), and a run's log is an unnamed temporary file of which the
 parent reads only the tail.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -27,44 +28,31 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from contract_lib import cache as frame_cache
+from contract_lib import loops
 from contract_lib.frames import Frames, run_title
+from contract_lib.child import user_server_args
+from contract_lib.paths import MODEL_DIR
 from contract_lib.patches import PatchArg, patch_spec
-from contract_lib.pool import POOL, child_env, die_with_parent
-from contract_lib.serverargs import accepted_kinds, problems
-from contract_lib.verdict import LOOP_FUNCTIONS
+from contract_lib.pool import POOL, child_env
+from contract_lib.protocol import RunSetupError, interrupted_error
+from contract_lib.serverargs import problems
 from contract_lib.versions import require_supported_sglang, sglang_path
 from contract_lib.workloads import Workload, load_workload
 
-LOOPS = ("normal", "overlap", "mlx", "omni")
-# SGLang's own loops: what ``status`` and ``audit`` run by default. ``omni`` is
-# sglang-omni's ``OmniScheduler`` (:mod:`contract_lib.omni`), pinned to SGLang 0.5.22.
-SGLANG_LOOPS = ("normal", "overlap", "mlx")
+# The registered loops (:mod:`contract_lib.loops`), and those ``status`` and ``audit``
+# run by default (SGLang's own); kept as names for callers of the public API.
+LOOPS = loops.names()
+SGLANG_LOOPS = loops.default_names()
 # ``model-free``: every loop's forward is a deterministic next-token function
 # (:mod:`contract_lib.shims`). ``real`` (MLX loop only): SGLang's own ``MlxModelRunner``
 # runs the tiny mlx-lm model of :mod:`contract_lib.tiny_model` on MLX's CPU backend, so
 # its KV pool syncs and radix reads are real (tables ``kv_syncs`` and ``kv_pool``).
 RUNNERS = ("model-free", "real")
-MODEL_DIR = Path(__file__).resolve().parent.parent / "data" / "model"
-
-# The server args every run starts from (a CPU, model-free, deterministic scheduler);
-# a workload's [server_args] and the caller's overrides are applied on top.
-BASE_SERVER_ARGS: dict[str, Any] = {
-    "device": "cpu",
-    "skip_tokenizer_init": True,
-    "load_format": "dummy",
-    "max_total_tokens": 2048,
-    "max_running_requests": 8,
-    "attention_backend": "torch_native",
-    "sampling_backend": "pytorch",
-    "disable_cuda_graph": True,
-    "random_seed": 0,
-}
 
 # Extra patches applied to *every* run, after the run's own (``+``-separated): a way to
 # break or fix a clause across a whole suite, e.g. to see that the notebooks' compared
@@ -83,10 +71,6 @@ LOG_TAIL_LINES = 40
 _POLL_S = 0.25
 
 
-class RunSetupError(ValueError):
-    """Bad input to :func:`run`: an unknown loop, workload, patch or server arg."""
-
-
 class RunInterrupted(KeyboardInterrupt):
     """Ctrl-C (a KeyboardInterrupt in the waiting thread) or a set ``cancel`` event stopped
     the run, and its child was killed. A KeyboardInterrupt, so ``except Exception`` does
@@ -102,11 +86,6 @@ class RunInterrupted(KeyboardInterrupt):
         super().__init__(message)
         self.frames = frames
         self.results = results
-
-
-class LoopMismatch(RuntimeError):
-    """(In the child.) The server args make SGLang enter another event loop than the one
-    asked for; the run stops in set-up, before the loop, naming the argument."""
 
 
 def run(
@@ -153,22 +132,21 @@ def run(
     Ctrl-C while the run is in progress (or setting ``cancel`` from another thread) kills
     the child and raises :class:`RunInterrupted` carrying the frames captured so far.
     """
-    if loop not in LOOPS:
-        raise RunSetupError(f"unknown loop {loop!r}; valid loops: {', '.join(LOOPS)}")
+    if loop not in loops.LOOP_SPECS:
+        raise RunSetupError(f"unknown loop {loop!r}; valid loops: {', '.join(loops.names())}")
+    loop_spec = loops.spec(loop)
     if runner not in RUNNERS:
         raise RunSetupError(f"unknown runner {runner!r}; valid runners: {', '.join(RUNNERS)}")
-    if runner == "real" and loop != "mlx":
+    if runner == "real" and not loop_spec.mlx:
         raise RunSetupError(
             "runner 'real' is SGLang's MlxModelRunner, which only the mlx loop uses; the "
             "torch loops stay model-free (compare a real run with "
             "contract_lib.tiny_model.reference_outputs or with the MLX fixed path)")
-    if loop == "omni":
-        from contract_lib.omni import OMNI_SGLANG, OMNI_VERSION
-
-        if sglang not in (None, OMNI_SGLANG):
-            raise RunSetupError(f"loop 'omni' is sglang-omni {OMNI_VERSION}, built on sglang "
-                                f"{OMNI_SGLANG}; it cannot run on sglang {sglang}")
-        sglang = OMNI_SGLANG
+    if loop_spec.sglang is not None:
+        if sglang not in (None, loop_spec.sglang):
+            raise RunSetupError(f"loop {loop!r} is {loop_spec.note}; it cannot run on "
+                                f"sglang {sglang}")
+        sglang = loop_spec.sglang
     version = require_supported_sglang(sglang)
     if not isinstance(workload, Workload):
         workload = load_workload(workload)
@@ -179,6 +157,7 @@ def run(
     spec = {
         "workload": workload.to_dict(),
         "loop": loop,
+        "loop_spec": dataclasses.asdict(loop_spec),  # the child may not have it registered
         "patch": patch_spec("+".join(patches)) if patches else None,
         "server_args": dict(server_args or {}),
         "capture": capture,
@@ -196,7 +175,7 @@ def run(
     }
     sglang_dir = sglang_path(version)  # installs the release on first use
     omni_dir = None
-    if loop == "omni":
+    if loop_spec.family == loops.OMNI:
         from contract_lib import omni
 
         omni_dir = omni.omni_path()  # installs sglang-omni on first use
@@ -305,7 +284,7 @@ def _execute(spec: dict[str, Any], meta: dict[str, Any], hang_timeout: float,
         except KeyboardInterrupt:
             if child is not None:
                 raise
-            return _frames({}, meta, "interrupted", _interrupted_error("setup"))
+            return _frames({}, meta, "interrupted", interrupted_error("setup"))
         finally:
             receiver.close()
             if child is not None and child.returncode is None:
@@ -323,7 +302,7 @@ def _start(spec: dict[str, Any], write_fd: int, log_fd: int, warm: bool,
     server = POOL.acquire(sglang_dir) if warm else None
     if server is not None:
         try:
-            found = problems(_user_server_args(spec), server.server_arg_kinds(cancel))
+            found = problems(user_server_args(spec), server.server_arg_kinds(cancel))
             child = None if found else server.start_run(spec, write_fd, log_fd, cancel)
         except (EOFError, OSError):  # the server died before the run started: go cold
             POOL.discard(server)
@@ -337,7 +316,7 @@ def _start(spec: dict[str, Any], write_fd: int, log_fd: int, warm: bool,
             return server, child
     child = subprocess.Popen(
         [sys.executable, "-c",
-         "from contract_lib.harness import _child_entry; _child_entry()",
+         "from contract_lib.child import _child_entry; _child_entry()",
          str(write_fd), str(os.getpid())],
         stdin=subprocess.PIPE, stdout=log_fd, stderr=log_fd, pass_fds=(write_fd,),
         env=child_env(sglang_dir), start_new_session=True)
@@ -349,11 +328,6 @@ def _start(spec: dict[str, Any], write_fd: int, log_fd: int, warm: bool,
         child.wait()
         raise
     return None, child
-
-
-def _user_server_args(spec: dict[str, Any]) -> dict[str, Any]:
-    """The server args the workload and the caller set (the base ones are known good)."""
-    return {**spec["workload"]["server_args"], **spec["server_args"]}
 
 
 def _collect(receiver: Connection, child, meta: dict[str, Any], hang_timeout: float,
@@ -407,7 +381,7 @@ def _collect(receiver: Connection, child, meta: dict[str, Any], hang_timeout: fl
     phase = "loop" if rows.get("steps") else "setup"
 
     if interrupted:
-        status, error = "interrupted", _interrupted_error(phase)
+        status, error = "interrupted", interrupted_error(phase)
     elif end is not None:
         _, status, error = end
     elif hung:
@@ -440,13 +414,6 @@ def _frames(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any], status:
     return Frames.from_rows(rows, meta)
 
 
-def _interrupted_error(phase: str) -> dict[str, Any]:
-    return {"type": "KeyboardInterrupt", "phase": phase,
-            "message": "interrupted (Ctrl-C, a kernel interrupt or a cancelled batch); "
-                       "the child was killed, the frames are those captured until then",
-            "traceback": None, "signal": None}
-
-
 def _slot_rows(per_request: list[tuple]) -> list[dict[str, Any]]:
     """Expand the column-wise slot message into one row per (step, request, position)."""
     return [
@@ -470,234 +437,3 @@ def _tail(log_fd: int) -> str:
     if start > 0 and lines:
         lines = lines[1:]
     return "\n".join(lines[-LOG_TAIL_LINES:])
-
-
-# ------------------------------------------------------------------------------------------
-# The child.
-# ------------------------------------------------------------------------------------------
-
-
-def _child_entry() -> None:
-    """Entry point of a cold child process: the run spec arrives pickled on stdin,
-    messages go back on the pipe whose fd is ``argv[1]``; stdout and stderr go to the
-    run's log."""
-    die_with_parent(int(sys.argv[2]))
-    spec = pickle.loads(sys.stdin.buffer.read())
-    child_run(spec, Connection(int(sys.argv[1]), readable=False))
-    os._exit(0)  # skip SGLang's atexit teardown; everything was sent
-
-
-def child_run(spec: dict[str, Any], conn: Connection) -> None:
-    """One run inside its own process (cold or forked): build, loop, report the end."""
-    emit = conn.send
-    recorder = kv_recorder = None
-    phase = "setup"
-    status, error = "finished", None
-    timing: dict[str, float] = {}
-    started = time.perf_counter()
-    try:
-        scheduler, recorder, kv_recorder = _build(spec, emit, timing)
-        phase = "loop"
-        loop_started = time.perf_counter()
-        try:
-            # OmniScheduler's entry; ``run_event_loop`` would be SGLang's, bound to it.
-            (scheduler.start if spec["loop"] == "omni" else scheduler.run_event_loop)()
-        finally:
-            timing["loop_s"] = time.perf_counter() - loop_started
-        status, error = "crashed", _error("loop returned without finishing the workload")
-    except BaseException as exc:  # noqa: BLE001 - every fault is reported, not raised
-        from contract_lib.capture import StepBudgetExceeded, StopRun
-
-        if isinstance(exc, StopRun):
-            status, error = "finished", None
-        elif isinstance(exc, StepBudgetExceeded):
-            status, error = "timeout", _error(str(exc), exc, phase)
-        elif isinstance(exc, LoopMismatch):  # raised at loop entry, before any step
-            status, error = "crashed", _error(str(exc), exc, "setup")
-        else:
-            status, error = "crashed", _error(str(exc), exc, phase)
-    if recorder is not None:
-        recorder.finish()
-    if kv_recorder is not None:
-        try:
-            kv_recorder.finish()
-        except Exception as exc:  # noqa: BLE001 - the inspection failing is a crash
-            if status == "finished":
-                status, error = "crashed", _error(str(exc), exc, "kv-pool-inspection")
-    timing["total_s"] = time.perf_counter() - started
-    emit(("meta", {"user_modules": frame_cache.user_modules()}))  # the cache verifies them
-    emit(("meta", {"timing": timing}))
-    emit(("end", status, error))
-    conn.close()
-
-
-def _error(message: str, exc: BaseException | None = None, phase: str = "loop") -> dict:
-    return {
-        "type": type(exc).__name__ if exc else "RuntimeError",
-        "phase": phase,
-        "message": message,
-        "traceback": "".join(traceback.format_exception(exc)) if exc else None,
-        "signal": None,
-    }
-
-
-def _build(spec: dict[str, Any], emit, timing: dict[str, float]):
-    """Shims, patch, a real Scheduler and the capture hooks (wall times into ``timing``).
-    Returns the scheduler, the frame recorder and the KV pool recorder (real runner)."""
-    started = time.perf_counter()
-    loop = spec["loop"]
-    runner = spec.get("runner", "model-free")
-    if loop == "mlx":
-        os.environ["SGLANG_USE_MLX"] = "1"
-    from contract_lib import shims
-
-    applied = shims.install_import_shims()
-    _check_sglang_release(spec)
-    from sglang.srt import runtime_context
-    from sglang.srt.managers import scheduler as _scheduler_module  # noqa: F401
-    from sglang.srt.server_args import PortArgs, ServerArgs
-
-    timing["import_s"] = time.perf_counter() - started
-    applied += shims.install_release_compat()
-
-    from contract_lib.capture import Recorder
-    from contract_lib.patches import apply_patch
-
-    holder: dict[str, Recorder] = {}
-
-    def on_launch(batch, tokens: list[int]) -> None:
-        holder["recorder"].on_torch_launch(batch, tokens)
-
-    if loop == "omni":
-        from contract_lib import omni
-
-        applied += omni.install_shims(spec["omni_dir"], on_launch)
-    else:
-        shims.install_torch_model_free_forward(on_launch)
-        applied.append("torch-model-free-forward")
-    if loop == "mlx":
-        if shims.install_mlx_runtime_gate_shim():
-            applied.append("mlx-runtime-gate")
-        if runner == "real":
-            applied += shims.install_mlx_real_runner()
-        else:
-            shims.install_mlx_model_free_runner()
-            applied.append("mlx-model-free-runner")
-    apply_patch(spec["patch"])
-
-    workload = Workload.from_dict(spec["workload"])
-    model_dir = spec["model_dir"] if runner == "real" else str(MODEL_DIR)
-    args = {**BASE_SERVER_ARGS, "model_path": model_dir,
-            "disable_overlap_schedule": loop == "normal",
-            **workload.server_args, **spec["server_args"]}
-    if found := problems(_user_server_args(spec), accepted_kinds(ServerArgs)):
-        raise RunSetupError("; ".join(found))  # a cold run's parent could not check them
-    server_args = ServerArgs(**args)
-    if loop == "omni":  # its ModelWorker publishes the runtime context itself
-        built = time.perf_counter()
-        scheduler = omni.build_scheduler(server_args)
-        timing["build_s"] = time.perf_counter() - built
-    else:
-        _check_overlap_arg(loop, server_args, args, workload.server_args,
-                           spec["server_args"], ServerArgs)
-        port_args = PortArgs.init_new(server_args)
-        runtime_context.publish(server_args, role="scheduler",
-                                ranks=runtime_context.SpawnRanks(world_rank=0, dp_rank=None,
-                                                                 gpu_id=0))
-        scheduler_class = shims.scheduler_class_for(loop)
-        if scheduler_class.__name__ != "Scheduler":
-            applied.append("mlx-overlap-mixin")
-        built = time.perf_counter()
-        scheduler = scheduler_class(server_args, port_args)
-        timing["build_s"] = time.perf_counter() - built
-        scheduler.request_receiver = shims.ScriptedReceiver()
-        applied.append("scripted-ingress")
-    emit(("meta", {"shims": applied, "expect": workload.expect,
-                   "enable_overlap": bool(scheduler.enable_overlap),
-                   "enable_overlap_mlx": bool(scheduler.enable_overlap_mlx)}))
-    _record_loop_entry(scheduler, loop, emit)
-    recorder = Recorder(scheduler, loop, workload, emit, capture=spec.get("capture", True),
-                        audit=spec.get("audit", False))
-    holder["recorder"] = recorder
-    recorder.install()
-    kv_recorder = None
-    if runner == "real" and spec.get("capture", True):
-        from contract_lib.kvpool import KvPoolRecorder
-
-        kv_recorder = KvPoolRecorder(scheduler, recorder, emit, model_dir)
-        kv_recorder.install()
-    return scheduler, recorder, kv_recorder
-
-
-def _check_overlap_arg(loop: str, server_args, args: dict[str, Any],
-                       workload_args: dict[str, Any], cli_args: dict[str, Any],
-                       server_args_class) -> None:
-    """Refuse, before the Scheduler is built, server args that turn the requested loop
-    into another: SGLang picks the loop from ``disable_overlap_schedule`` (the normal loop
-    when set, else the overlap or MLX overlap loop). Names the argument responsible: the
-    override that sets it, or the one whose removal restores the loop (ServerArgs' own
-    post-init hooks can set it from other arguments)."""
-    wanted = loop == "normal"
-    actual = bool(server_args.disable_overlap_schedule)
-    if actual == wanted:
-        return
-    sources = [("--server-arg", cli_args), ("workload [server_args]", workload_args)]
-    culprit = next((f"{where} disable_overlap_schedule={given['disable_overlap_schedule']!r}"
-                    for where, given in sources if "disable_overlap_schedule" in given), None)
-    if culprit is None:
-        for where, given in sources:
-            for key in given:
-                trial = {k: v for k, v in args.items() if k != key}
-                trial["disable_overlap_schedule"] = wanted
-                try:
-                    restored = bool(server_args_class(**trial).disable_overlap_schedule)
-                except Exception:  # noqa: BLE001 - a trial that does not build proves nothing
-                    continue
-                if restored == wanted:
-                    culprit = f"{where} {key}={given[key]!r}"
-                    break
-            if culprit:
-                break
-    entered = (LOOP_FUNCTIONS["normal"] if actual else
-               LOOP_FUNCTIONS["mlx" if loop == "mlx" else "overlap"])
-    raise LoopMismatch(
-        f"--loop {loop} needs disable_overlap_schedule={wanted}, but "
-        f"{culprit or 'the server args'} make(s) it {actual}: SGLang would run {entered} "
-        f"instead of {LOOP_FUNCTIONS[loop]}; remove that argument or choose that loop")
-
-
-def _record_loop_entry(scheduler, loop: str, emit) -> None:
-    """Wrap every ``event_loop_*`` method of the instance: the one SGLang's dispatch
-    enters is recorded in the run's meta (``loop_function``), and one that is not the
-    requested loop's stops the run before its first step (:class:`LoopMismatch`)."""
-    wanted = LOOP_FUNCTIONS[loop]
-    for name in [n for n in dir(type(scheduler)) if n.startswith("event_loop_")]:
-        real = getattr(scheduler, name)
-
-        def entered(*args, _name=name, _real=real, **kwargs):
-            emit(("meta", {"loop_function": _name}))
-            if _name != wanted:
-                raise LoopMismatch(
-                    f"--loop {loop} asked for {wanted}, but SGLang's dispatch entered "
-                    f"{_name} (enable_overlap={scheduler.enable_overlap}, "
-                    f"enable_overlap_mlx={scheduler.enable_overlap_mlx})")
-            return _real(*args, **kwargs)
-
-        setattr(scheduler, name, entered)
-
-
-def _check_sglang_release(spec: dict[str, Any]) -> None:
-    """The child imports the SGLang release the run asked for (its folder first on
-    ``PYTHONPATH``), not the venv's: checked before anything is built."""
-    from importlib import metadata
-
-    import sglang
-
-    expected, folder = spec.get("sglang"), spec.get("sglang_dir")
-    actual = metadata.version("sglang")
-    location = Path(sglang.__file__).resolve()
-    if (expected is not None and actual != expected) or (
-            folder is not None and Path(folder).resolve() not in location.parents):
-        raise RuntimeError(
-            f"the run asked for sglang {expected} from {folder or 'the venv'}, but the "
-            f"child imported sglang {actual} from {location.parent}")

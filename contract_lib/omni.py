@@ -25,10 +25,11 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from contract_lib.loops import spec as loop_spec
 from contract_lib.versions import PROJECT_ROOT, install_target
 
 OMNI_VERSION = "0.1.9"
-OMNI_SGLANG = "0.5.22"  # sglang-omni 0.1.9 pins sglang==0.5.22
+OMNI_SGLANG = loop_spec("omni").sglang  # sglang-omni 0.1.9 pins sglang==0.5.22
 # sglang-omni itself, and what its scheduler path imports beyond the project's venv.
 OMNI_REQUIREMENTS = (f"sglang-omni=={OMNI_VERSION}", "msgpack==1.2.4")
 OMNI_DIR_ENV = "CONTRACT_LIB_OMNI_DIR"

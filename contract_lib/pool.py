@@ -17,13 +17,12 @@ Nothing outlives the client: a server runs in its own session (a terminal's Ctrl
 the client's to handle), holds the read end of a *lifeline* pipe whose write end only the
 client has, and a thread that sees the lifeline close (the client exited or was killed)
 kills the current run and exits. Every run child dies with its server
-(:func:`die_with_parent`).
+(:func:`contract_lib.child.die_with_parent`).
 """
 
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
 import pickle
 import select
@@ -34,21 +33,11 @@ import subprocess
 import sys
 import threading
 
+from contract_lib.child import child_run, die_with_parent
+
 _HEADER = struct.Struct("!I")
 # Seconds between checks of a cancel event while waiting for a server's reply.
 _WAIT_STEP_S = 0.25
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Make this process get SIGKILL when its parent dies (Linux ``PR_SET_PDEATHSIG``;
-    it fires when the *thread* that started this process exits, so a parent starts its
-    children from threads that outlive them), and exit now if the parent already died."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:
-        os._exit(1)
 
 
 def _send(sock: socket.socket, obj, fds: list[int] = ()) -> None:
@@ -262,7 +251,6 @@ def serve() -> None:
     or its lifeline (then killing the run in progress)."""
     from multiprocessing.connection import Connection
 
-    from contract_lib.harness import child_run
     from contract_lib.serverargs import accepted_kinds
 
     sock = socket.socket(fileno=int(sys.argv[1]))

@@ -197,7 +197,7 @@ def install_mlx_runtime_gate_shim() -> bool:
     return True
 
 
-def scheduler_class_for(loop: str) -> type:
+def scheduler_class_for(mlx: bool) -> type:
     """SGLang's ``Scheduler``, with the real MLX overlap mixin where the loop needs it.
 
     Why: ``managers/scheduler.py`` imports ``SchedulerMlxOverlapMixin`` only ``if
@@ -207,7 +207,7 @@ def scheduler_class_for(loop: str) -> type:
     """
     from sglang.srt.managers.scheduler import Scheduler
 
-    if loop != "mlx" or hasattr(Scheduler, "event_loop_overlap_mlx"):
+    if not mlx or hasattr(Scheduler, "event_loop_overlap_mlx"):
         return Scheduler
     from sglang.srt.hardware_backend.mlx.scheduler_mixin import SchedulerMlxOverlapMixin
 

@@ -13,7 +13,8 @@ import pandas as pd
 from contract_lib.contract import (CLAUSES, HOLDS, MASKED, NOT_EXERCISED, VIOLATED, Report,
                                    check)
 from contract_lib.extensions import EXTENDED_FIELDS, origin, sglang_finding
-from contract_lib.harness import LOOPS, SGLANG_LOOPS, frames_or_raise, run_many
+from contract_lib import loops as registry
+from contract_lib.harness import frames_or_raise, run_many
 from contract_lib.patches import PatchArg, patch_spec
 from contract_lib.verdict import Outcome, loop_mismatch, setup_failed, worst
 from contract_lib.workloads import workload_names
@@ -31,7 +32,6 @@ SETUP_ERROR, VACUOUS = "setup-error", "vacuous"
 # Worst first: the status a (clause, loop) cell shows over several workloads.
 _SEVERITY = [VIOLATED, MASKED, SETUP_ERROR, "crashed", "died", "timeout", "interrupted",
              VACUOUS, HOLDS, NOT_EXERCISED]
-REFERENCE_LOOPS = ("normal", "overlap")
 # The cell of a (clause, loop) whose every violating run is a catalogued SGLang-wide bug
 # (contract_lib.extensions.sglang_finding): reported, and not a reference-loop failure.
 SGLANG_WIDE = "sglang-wide bug"
@@ -92,14 +92,15 @@ class Status:
     def table(self) -> pd.DataFrame:
         """Clause x loop: the worst status over workloads, with how many it shows in."""
         per_run = self.per_run()
-        loops = [loop for loop in LOOPS if loop in set(per_run["loop"])]
+        present = set(per_run["loop"])
+        columns = [loop for loop in registry.names() if loop in present]
         rows = []
         extended = any(r.clause_set == "all" for r in self.reports.values())
         for number in sorted(set(per_run["clause"])):
             row = {"clause": f"{number} {CLAUSES[number]}"}
             if extended and number in EXTENDED_FIELDS:
                 row["clause"] += f" (+ {', '.join(EXTENDED_FIELDS[number])})"
-            for loop in loops:
+            for loop in columns:
                 cell = per_run[(per_run["clause"] == number) & (per_run["loop"] == loop)]
                 worst = min(cell["status"], key=_SEVERITY.index)
                 count = int((cell["status"] == worst).sum())
@@ -109,7 +110,7 @@ class Status:
             rows.append(row)
         if self.kv_damaged:
             row = {"clause": KV_POOL_ROW}
-            for loop in loops:
+            for loop in columns:
                 cell = [bad for (_, l), bad in self.kv_damaged.items() if l == loop]
                 worst = "damaged" if any(cell) else "intact"
                 row[loop] = f"{worst} ({sum(cell) if any(cell) else len(cell)}/{len(cell)})"
@@ -129,14 +130,14 @@ class Status:
     def outcome(self) -> Outcome:
         """The exit code of ``status``: a run that did not finish (3), failed in set-up
         (2) or was vacuous (4), or a violation on a torch reference loop (1)."""
-        return worst(run_outcome(r, loop in REFERENCE_LOOPS)
+        return worst(run_outcome(r, loop in registry.reference_names())
                      for (_, loop), r in self.reports.items())
 
     def reference_violations(self) -> pd.DataFrame:
         """Violations on the torch loops, which must satisfy every clause, except the
         catalogued SGLang-wide bugs (:meth:`sglang_findings`)."""
         per_run = self.per_run()
-        bad = (per_run["loop"].isin(REFERENCE_LOOPS)
+        bad = (per_run["loop"].isin(registry.reference_names())
                & per_run["status"].isin([VIOLATED, MASKED]) & per_run["finding"].isna())
         return per_run[bad]
 
@@ -188,9 +189,11 @@ def _findings_note(table: pd.DataFrame) -> list[str]:
 
 
 def default_loops(runner: str = "model-free") -> tuple[str, ...]:
-    """SGLang's loops, or only ``mlx`` for the real runner (the torch loops stay
-    model-free). ``omni`` (sglang-omni, pinned to SGLang 0.5.22) runs when asked for."""
-    return ("mlx",) if runner == "real" else SGLANG_LOOPS
+    """The registry's default loops (SGLang's), or only its MLX ones for the real runner
+    (the torch loops stay model-free). ``omni`` (sglang-omni, pinned to SGLang 0.5.22)
+    runs when asked for."""
+    names = registry.default_names()
+    return tuple(n for n in names if registry.spec(n).mlx) if runner == "real" else names
 
 
 def status(workloads: list[str] | None = None, loops: tuple[str, ...] | None = None,
@@ -277,10 +280,10 @@ def releases_status(versions: list[str | None], workloads: list[str] | None = No
         sglang_path(version)  # install before the parallel runs, one release at a time
     keys = [(v, w, loop) for v in resolved for w in workloads for loop in loops]
     requested = dict(zip(resolved, versions))
-    # ``omni`` runs on its pinned release: the default (None) lets it choose it.
+    # A pinned loop (``omni``) runs on its release: the default (None) lets it choose it.
     frames = run_many([{"workload": w, "loop": loop, "patch": spec, "cache": cache,
                         "warm": warm, "runner": runner,
-                        "sglang": requested[v] if loop == "omni" else v}
+                        "sglang": requested[v] if registry.spec(loop).sglang else v}
                        for v, w, loop in keys], progress=progress)
     frames = frames_or_raise(frames)  # e.g. a bad server arg: the table needs every run
     statuses = []

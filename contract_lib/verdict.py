@@ -29,6 +29,8 @@ import dataclasses
 import enum
 from typing import TYPE_CHECKING
 
+from contract_lib import loops
+
 if TYPE_CHECKING:
     from contract_lib.contract import Report
 
@@ -54,11 +56,9 @@ class Outcome(enum.IntEnum):
 PRECEDENCE = (Outcome.INTERRUPTED, Outcome.USAGE, Outcome.VIOLATED, Outcome.NOT_FINISHED,
               Outcome.VACUOUS, Outcome.PASS)
 
-# The SGLang event-loop function each requested loop must enter.
-LOOP_FUNCTIONS = {"normal": "event_loop_normal", "overlap": "event_loop_overlap",
-                  "mlx": "event_loop_overlap_mlx",
-                  # sglang-omni's OmniScheduler: its one-step-lookahead loop.
-                  "omni": "event_loop_async_decode"}
+# The SGLang event-loop function each registered loop must enter (kept as a name for
+# callers; :func:`loop_mismatch` reads the registry, so a loop registered later counts).
+LOOP_FUNCTIONS = loops.loop_functions()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +93,7 @@ def loop_mismatch(meta: dict) -> str | None:
     """Why the loop that ran is not the loop asked for, or None. Runs recorded before the
     loop function was recorded (no ``loop_function`` in meta) are not judged here."""
     entered = meta.get("loop_function")
-    wanted = LOOP_FUNCTIONS.get(meta.get("loop"))
+    wanted = loops.loop_functions().get(meta.get("loop"))
     if entered is None or wanted is None or entered == wanted:
         return None
     return (f"--loop {meta['loop']} asked for {wanted}, but SGLang entered {entered} "

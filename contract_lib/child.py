@@ -1,0 +1,272 @@
+"""What runs in the run's process (a cold child or a fork of a warm server): apply the
+shims and the patch, build the loop's real scheduler, enter its event loop, stream the
+frames to the parent (:mod:`contract_lib.protocol`) and report the run's end.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import signal
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from contract_lib import cache as frame_cache
+from contract_lib import loops
+from contract_lib.paths import MODEL_DIR
+from contract_lib.protocol import LoopMismatch, RunSetupError, error_record
+from contract_lib.serverargs import accepted_kinds, problems
+from contract_lib.workloads import Workload
+
+# The server args every run starts from (a CPU, model-free, deterministic scheduler);
+# a workload's [server_args] and the caller's overrides are applied on top.
+BASE_SERVER_ARGS: dict[str, Any] = {
+    "device": "cpu",
+    "skip_tokenizer_init": True,
+    "load_format": "dummy",
+    "max_total_tokens": 2048,
+    "max_running_requests": 8,
+    "attention_backend": "torch_native",
+    "sampling_backend": "pytorch",
+    "disable_cuda_graph": True,
+    "random_seed": 0,
+}
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Make this process get SIGKILL when its parent dies (Linux ``PR_SET_PDEATHSIG``;
+    it fires when the *thread* that started this process exits, so a parent starts its
+    children from threads that outlive them), and exit now if the parent already died."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def user_server_args(spec: dict[str, Any]) -> dict[str, Any]:
+    """The server args the workload and the caller set (the base ones are known good)."""
+    return {**spec["workload"]["server_args"], **spec["server_args"]}
+
+
+def _child_entry() -> None:
+    """Entry point of a cold child process: the run spec arrives pickled on stdin,
+    messages go back on the pipe whose fd is ``argv[1]``; stdout and stderr go to the
+    run's log."""
+    die_with_parent(int(sys.argv[2]))
+    spec = pickle.loads(sys.stdin.buffer.read())
+    child_run(spec, Connection(int(sys.argv[1]), readable=False))
+    os._exit(0)  # skip SGLang's atexit teardown; everything was sent
+
+
+def child_run(spec: dict[str, Any], conn: Connection) -> None:
+    """One run inside its own process (cold or forked): build, loop, report the end."""
+    emit = conn.send
+    recorder = kv_recorder = None
+    phase = "setup"
+    status, error = "finished", None
+    timing: dict[str, float] = {}
+    started = time.perf_counter()
+    loop_spec = loops.LoopSpec(**spec["loop_spec"])
+    try:
+        scheduler, recorder, kv_recorder = _build(spec, loop_spec, emit, timing)
+        phase = "loop"
+        loop_started = time.perf_counter()
+        try:
+            # OmniScheduler's entry; ``run_event_loop`` would be SGLang's, bound to it.
+            (scheduler.start if loop_spec.family == loops.OMNI
+             else scheduler.run_event_loop)()
+        finally:
+            timing["loop_s"] = time.perf_counter() - loop_started
+        status, error = "crashed", error_record("loop returned without finishing the workload")
+    except BaseException as exc:  # noqa: BLE001 - every fault is reported, not raised
+        from contract_lib.capture import StepBudgetExceeded, StopRun
+
+        if isinstance(exc, StopRun):
+            status, error = "finished", None
+        elif isinstance(exc, StepBudgetExceeded):
+            status, error = "timeout", error_record(str(exc), exc, phase)
+        elif isinstance(exc, LoopMismatch):  # raised at loop entry, before any step
+            status, error = "crashed", error_record(str(exc), exc, "setup")
+        else:
+            status, error = "crashed", error_record(str(exc), exc, phase)
+    if recorder is not None:
+        recorder.finish()
+    if kv_recorder is not None:
+        try:
+            kv_recorder.finish()
+        except Exception as exc:  # noqa: BLE001 - the inspection failing is a crash
+            if status == "finished":
+                status, error = "crashed", error_record(str(exc), exc, "kv-pool-inspection")
+    timing["total_s"] = time.perf_counter() - started
+    emit(("meta", {"user_modules": frame_cache.user_modules()}))  # the cache verifies them
+    emit(("meta", {"timing": timing}))
+    emit(("end", status, error))
+    conn.close()
+
+
+def _build(spec: dict[str, Any], loop_spec: loops.LoopSpec, emit,
+           timing: dict[str, float]):
+    """Shims, patch, a real Scheduler and the capture hooks (wall times into ``timing``).
+    Returns the scheduler, the frame recorder and the KV pool recorder (real runner)."""
+    started = time.perf_counter()
+    loop = spec["loop"]
+    runner = spec.get("runner", "model-free")
+    if loop_spec.mlx:
+        os.environ["SGLANG_USE_MLX"] = "1"
+    from contract_lib import shims
+
+    applied = shims.install_import_shims()
+    _check_sglang_release(spec)
+    from sglang.srt import runtime_context
+    from sglang.srt.managers import scheduler as _scheduler_module  # noqa: F401
+    from sglang.srt.server_args import PortArgs, ServerArgs
+
+    timing["import_s"] = time.perf_counter() - started
+    applied += shims.install_release_compat()
+
+    from contract_lib.capture import Recorder
+    from contract_lib.patches import apply_patch
+
+    holder: dict[str, Recorder] = {}
+
+    def on_launch(batch, tokens: list[int]) -> None:
+        holder["recorder"].on_torch_launch(batch, tokens)
+
+    if loop_spec.family == loops.OMNI:
+        from contract_lib import omni
+
+        applied += omni.install_shims(spec["omni_dir"], on_launch)
+    else:
+        shims.install_torch_model_free_forward(on_launch)
+        applied.append("torch-model-free-forward")
+    if loop_spec.mlx:
+        if shims.install_mlx_runtime_gate_shim():
+            applied.append("mlx-runtime-gate")
+        if runner == "real":
+            applied += shims.install_mlx_real_runner()
+        else:
+            shims.install_mlx_model_free_runner()
+            applied.append("mlx-model-free-runner")
+    apply_patch(spec["patch"])
+
+    workload = Workload.from_dict(spec["workload"])
+    model_dir = spec["model_dir"] if runner == "real" else str(MODEL_DIR)
+    args = {**BASE_SERVER_ARGS, "model_path": model_dir,
+            "disable_overlap_schedule": loop_spec.disable_overlap_schedule,
+            **workload.server_args, **spec["server_args"]}
+    if found := problems(user_server_args(spec), accepted_kinds(ServerArgs)):
+        raise RunSetupError("; ".join(found))  # a cold run's parent could not check them
+    server_args = ServerArgs(**args)
+    if loop_spec.family == loops.OMNI:  # its ModelWorker publishes the runtime context
+        built = time.perf_counter()
+        scheduler = omni.build_scheduler(server_args)
+        timing["build_s"] = time.perf_counter() - built
+    else:
+        _check_overlap_arg(loop_spec, server_args, args, workload.server_args,
+                           spec["server_args"], ServerArgs)
+        port_args = PortArgs.init_new(server_args)
+        runtime_context.publish(server_args, role="scheduler",
+                                ranks=runtime_context.SpawnRanks(world_rank=0, dp_rank=None,
+                                                                 gpu_id=0))
+        scheduler_class = shims.scheduler_class_for(loop_spec.mlx)
+        if scheduler_class.__name__ != "Scheduler":
+            applied.append("mlx-overlap-mixin")
+        built = time.perf_counter()
+        scheduler = scheduler_class(server_args, port_args)
+        timing["build_s"] = time.perf_counter() - built
+        scheduler.request_receiver = shims.ScriptedReceiver()
+        applied.append("scripted-ingress")
+    emit(("meta", {"shims": applied, "expect": workload.expect,
+                   "enable_overlap": bool(scheduler.enable_overlap),
+                   "enable_overlap_mlx": bool(scheduler.enable_overlap_mlx)}))
+    _record_loop_entry(scheduler, loop_spec, emit)
+    recorder = Recorder(scheduler, loop_spec, workload, emit, capture=spec.get("capture", True),
+                        audit=spec.get("audit", False))
+    holder["recorder"] = recorder
+    recorder.install()
+    kv_recorder = None
+    if runner == "real" and spec.get("capture", True):
+        from contract_lib.kvpool import KvPoolRecorder
+
+        kv_recorder = KvPoolRecorder(scheduler, recorder, emit, model_dir)
+        kv_recorder.install()
+    return scheduler, recorder, kv_recorder
+
+
+def _check_overlap_arg(loop_spec: loops.LoopSpec, server_args, args: dict[str, Any],
+                       workload_args: dict[str, Any], cli_args: dict[str, Any],
+                       server_args_class) -> None:
+    """Refuse, before the Scheduler is built, server args that turn the requested loop
+    into another: SGLang picks the loop from ``disable_overlap_schedule`` (the normal loop
+    when set, else the overlap or MLX overlap loop). Names the argument responsible: the
+    override that sets it, or the one whose removal restores the loop (ServerArgs' own
+    post-init hooks can set it from other arguments)."""
+    loop, wanted = loop_spec.name, loop_spec.disable_overlap_schedule
+    actual = bool(server_args.disable_overlap_schedule)
+    if actual == wanted:
+        return
+    sources = [("--server-arg", cli_args), ("workload [server_args]", workload_args)]
+    culprit = next((f"{where} disable_overlap_schedule={given['disable_overlap_schedule']!r}"
+                    for where, given in sources if "disable_overlap_schedule" in given), None)
+    if culprit is None:
+        for where, given in sources:
+            for key in given:
+                trial = {k: v for k, v in args.items() if k != key}
+                trial["disable_overlap_schedule"] = wanted
+                try:
+                    restored = bool(server_args_class(**trial).disable_overlap_schedule)
+                except Exception:  # noqa: BLE001 - a trial that does not build proves nothing
+                    continue
+                if restored == wanted:
+                    culprit = f"{where} {key}={given[key]!r}"
+                    break
+            if culprit:
+                break
+    entered = loops.dispatched_function(actual, loop_spec.mlx)
+    raise LoopMismatch(
+        f"--loop {loop} needs disable_overlap_schedule={wanted}, but "
+        f"{culprit or 'the server args'} make(s) it {actual}: SGLang would run {entered} "
+        f"instead of {loop_spec.function}; remove that argument or choose that loop")
+
+
+def _record_loop_entry(scheduler, loop_spec: loops.LoopSpec, emit) -> None:
+    """Wrap every ``event_loop_*`` method of the instance: the one SGLang's dispatch
+    enters is recorded in the run's meta (``loop_function``), and one that is not the
+    requested loop's stops the run before its first step (:class:`LoopMismatch`)."""
+    loop, wanted = loop_spec.name, loop_spec.function
+    for name in [n for n in dir(type(scheduler)) if n.startswith("event_loop_")]:
+        real = getattr(scheduler, name)
+
+        def entered(*args, _name=name, _real=real, **kwargs):
+            emit(("meta", {"loop_function": _name}))
+            if _name != wanted:
+                raise LoopMismatch(
+                    f"--loop {loop} asked for {wanted}, but SGLang's dispatch entered "
+                    f"{_name} (enable_overlap={scheduler.enable_overlap}, "
+                    f"enable_overlap_mlx={scheduler.enable_overlap_mlx})")
+            return _real(*args, **kwargs)
+
+        setattr(scheduler, name, entered)
+
+
+def _check_sglang_release(spec: dict[str, Any]) -> None:
+    """The child imports the SGLang release the run asked for (its folder first on
+    ``PYTHONPATH``), not the venv's: checked before anything is built."""
+    from importlib import metadata
+
+    import sglang
+
+    expected, folder = spec.get("sglang"), spec.get("sglang_dir")
+    actual = metadata.version("sglang")
+    location = Path(sglang.__file__).resolve()
+    if (expected is not None and actual != expected) or (
+            folder is not None and Path(folder).resolve() not in location.parents):
+        raise RuntimeError(
+            f"the run asked for sglang {expected} from {folder or 'the venv'}, but the "
+            f"child imported sglang {actual} from {location.parent}")
