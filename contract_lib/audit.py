@@ -32,8 +32,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from contract_lib.frames import Frames
 from contract_lib import loops
+from contract_lib.contract import CLAUSE_OF_FIELD
+from contract_lib.frames import Frames
 from contract_lib.harness import frames_or_raise, run_many
 from contract_lib.patches import PatchArg, patch_spec
 from contract_lib.verdict import Outcome, setup_failed
@@ -55,18 +56,8 @@ class AuditRunFailed(RuntimeError):
         self.outcome = outcome
         self.frames = frames
 
-# Fields a shipped clause already checks (pseudo-fields name in-place tensor writes).
-CLAUSE_OF_FIELD = {
-    "req_to_token[]": 1, "out_cache_loc": 1, "free_pages": 1,
-    "seq_lens": 2, "seq_lens_cpu": 2, "orig_seq_lens": 2, "seq_lens_sum": 2,
-    "kv_committed_len": 2, "kv_allocated_len": 2,
-    "forward_ct": 3, "forward_iter": 3, "launch_ts": 3, "after_idle_gap": 3,
-    "_sched_idled": 3,
-    "output_tokens_buf[]": 4, "new_seq_lens_buf[]": 4,
-    "result_queue": 5,
-    # this project's extensions (contract_lib/extensions.py)
-    "decode_batch_idx": 2, "processed_tokens_counter": 6,
-}
+# Fields a shipped clause already checks: each clause declares them
+# (:data:`contract_lib.contract.CLAUSE_OF_FIELD`).
 _TIMING = re.compile(r"(^|_)(ts|time|times|timestamp|latency|ns|us|ms|wall|monotonic|"
                      r"duration|elapsed|busy)(_|$)|_at$|_ts_|start_time", re.IGNORECASE)
 _LOOP_FUNCTIONS = tuple(loops.spec(loop).function for loop in LOOPS)

@@ -83,6 +83,15 @@ def _prefilled_tokens(batch) -> int:
     return int(sum(batch.extend_lens[i] for i in lanes))
 
 
+def free_slot_mask(allocator) -> np.ndarray:
+    """A mask over slot ids: True where the allocator holds the slot as free
+    (``free_pages`` or ``release_pages``)."""
+    mask = np.zeros(allocator.size + 1, dtype=bool)
+    mask[allocator.free_pages.numpy()] = True
+    mask[allocator.release_pages.numpy()] = True
+    return mask
+
+
 class Recorder:
     """Records frames of one run and streams them through ``emit`` as they are taken.
 
@@ -478,7 +487,7 @@ class Recorder:
             "wall_time": time.monotonic(),
             "processed_tokens_counter": getattr(s, "processed_tokens_counter", None),
         }))
-        free = self._free_slots()
+        free = free_slot_mask(self.s.token_to_kv_pool_allocator)
         rtt = s.req_to_token_pool.req_to_token
         slot_rows = []
         for index, (rid, req) in enumerate(self.reqs.items()):
@@ -560,15 +569,6 @@ class Recorder:
                 self._checker = view.invariant_checker
             checker = self._checker
         return checker
-
-    def _free_slots(self) -> np.ndarray:
-        """A mask over slot ids: True where the allocator holds the slot as free
-        (``free_pages`` or ``release_pages``)."""
-        allocator = self.s.token_to_kv_pool_allocator
-        mask = np.zeros(allocator.size + 1, dtype=bool)
-        mask[allocator.free_pages.numpy()] = True
-        mask[allocator.release_pages.numpy()] = True
-        return mask
 
     @staticmethod
     def _seq_len(req, running, last) -> int | None:

@@ -20,7 +20,7 @@ import ast
 import sys
 from pathlib import Path
 
-from contract_lib.extensions import CLAUSE_SETS
+from contract_lib.contract import CLAUSE_SETS
 from contract_lib.frames import Frames
 from contract_lib import loops
 from contract_lib.harness import RUNNERS, RunInterrupted, RunSetupError, run
@@ -31,7 +31,7 @@ from contract_lib.versions import (SUPPORTED_SGLANG_VERSIONS, SGLangInstallError
                                    UnsupportedSGLangError)
 from contract_lib.workloads import WorkloadError
 
-FRAMES_DIR = Path(__file__).resolve().parent.parent / "data" / "frames"
+from contract_lib.paths import FRAMES_DIR
 USAGE_ERRORS = (RunSetupError, WorkloadError, PatchError, UnsupportedSGLangError,
                 SGLangInstallError)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C

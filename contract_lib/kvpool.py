@@ -47,6 +47,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from contract_lib.capture import free_slot_mask
+
 KIND_BY_CALLER = {
     "prefill_start": "prefill",
     "extend_start": "extend",
@@ -138,16 +140,9 @@ class KvPoolRecorder:
                     holders.setdefault(int(slot), (other, position, kv.cache_protected_len))
         return holders
 
-    def _free_mask(self) -> np.ndarray:
-        allocator = self.s.token_to_kv_pool_allocator
-        mask = np.zeros(allocator.size + 1, dtype=bool)
-        mask[allocator.free_pages.numpy()] = True
-        mask[allocator.release_pages.numpy()] = True
-        return mask
-
     def _record(self, rid: str | None, kind: str, start: int, slots: list[int]) -> None:
         holders = self._live_holders(rid)
-        free = self._free_mask()
+        free = free_slot_mask(self.s.token_to_kv_pool_allocator)
         rtt = self.s.req_to_token_pool.req_to_token
         req = self.recorder.reqs.get(rid)
         own_row = None if req is None else req.kv.req_pool_idx

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from contract_lib.loops import spec as loop_spec
-from contract_lib.versions import PROJECT_ROOT, install_target
+from contract_lib.paths import PROJECT_ROOT
+from contract_lib.versions import install_target
 
 OMNI_VERSION = "0.1.9"
 OMNI_SGLANG = loop_spec("omni").sglang  # sglang-omni 0.1.9 pins sglang==0.5.22

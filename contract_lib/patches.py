@@ -28,6 +28,8 @@ import tomllib
 from pathlib import Path
 from typing import Callable
 
+from contract_lib.paths import BUG_CATALOG
+
 
 class PatchError(ValueError):
     """An unknown patch, or a source patch whose anchor is not in the installed code."""
@@ -348,7 +350,6 @@ BUILTIN_PATCHES: dict[str, Patch] = {
 PatchArg = str | Callable[[], None] | list | tuple | None
 
 
-BUG_CATALOG = Path(__file__).resolve().parent.parent / "data" / "bugs.toml"
 
 
 def bug_catalog() -> list[dict]:

@@ -36,10 +36,12 @@ import types
 from typing import Any, Callable
 from unittest import mock
 
-# The vocabulary of the fake model. Token ids 0..9 are never emitted, which keeps
-# SGLang's EOS (id 2 in the shipped config) and other special ids out of the way.
+from contract_lib.workloads import FIRST_ORDINARY_TOKEN
+
+# The vocabulary of the fake model. Token ids below FIRST_ORDINARY_TOKEN are never
+# emitted, which keeps SGLang's EOS (id 2 in the shipped config) and other special ids
+# out of the way.
 VOCAB_SIZE = 512
-FIRST_ORDINARY_TOKEN = 10
 
 
 def next_token(last_token: int, seq_len: int) -> int:
@@ -324,7 +326,6 @@ class ModelFreeMlxRunner:
         self._req_pool_idx: dict[str, int] = {}
         self._req_synced_offset: dict[str, int] = {}
         self._req_to_token_pool = None
-        self.released_rows: list[tuple[str, int, int]] = []
 
     @property
     def pool_size(self) -> int:
@@ -360,7 +361,6 @@ class ModelFreeMlxRunner:
     def release_request_row(self, req_id: str, owned_len: int) -> None:
         """As the real runner: the sync would read up to ``owned_len``; forget the row."""
         offset = self.cache_offset(req_id) or 0
-        self.released_rows.append((req_id, owned_len, offset))
         if not self.disable_radix_cache:
             self._req_synced_offset[req_id] = max(
                 self._req_synced_offset.get(req_id, 0), min(offset, owned_len))

@@ -10,9 +10,8 @@ import dataclasses
 
 import pandas as pd
 
-from contract_lib.contract import (CLAUSES, HOLDS, MASKED, NOT_EXERCISED, VIOLATED, Report,
-                                   check)
-from contract_lib.extensions import EXTENDED_FIELDS, origin, sglang_finding
+from contract_lib.contract import (CLAUSES, EXTENDED_FIELDS, HOLDS, MASKED, NOT_EXERCISED,
+                                   VIOLATED, Report, check, origin, sglang_finding)
 from contract_lib import loops as registry
 from contract_lib.harness import frames_or_raise, run_many
 from contract_lib.patches import PatchArg, patch_spec
@@ -33,7 +32,7 @@ SETUP_ERROR, VACUOUS = "setup-error", "vacuous"
 _SEVERITY = [VIOLATED, MASKED, SETUP_ERROR, "crashed", "died", "timeout", "interrupted",
              VACUOUS, HOLDS, NOT_EXERCISED]
 # The cell of a (clause, loop) whose every violating run is a catalogued SGLang-wide bug
-# (contract_lib.extensions.sglang_finding): reported, and not a reference-loop failure.
+# (contract_lib.contract.sglang_finding): reported, and not a reference-loop failure.
 SGLANG_WIDE = "sglang-wide bug"
 
 
@@ -51,7 +50,7 @@ def run_cell_status(report: Report) -> str | None:
 def run_outcome(report: Report, reference: bool) -> Outcome:
     """A run's contribution to ``status``'s exit code: its fate, and a clause violation
     only on a reference (torch) loop and not as a catalogued SGLang-wide bug
-    (:func:`contract_lib.extensions.sglang_finding`); the MLX loop's violations are the
+    (:func:`contract_lib.contract.sglang_finding`); the MLX loop's violations are the
     measurement."""
     outcome = report.verdict().outcome
     if outcome != Outcome.VIOLATED:

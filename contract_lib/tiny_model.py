@@ -31,9 +31,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from contract_lib.workloads import Workload, load_workload
+from contract_lib.paths import PROJECT_ROOT
+from contract_lib.workloads import FIRST_ORDINARY_TOKEN, Workload, load_workload
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SEED = 0
 
 CONFIG: dict[str, Any] = {
@@ -55,8 +55,7 @@ CONFIG: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
-# Output-head rows zeroed: the ids below never win the greedy argmax.
-SPECIAL_IDS = 10
+# Output-head rows zeroed: the ids below FIRST_ORDINARY_TOKEN never win the greedy argmax.
 _SPECIAL = {"unk": "<unk>", "bos": "<s>", "eos": "</s>"}
 _BUILD_LOCK = threading.Lock()
 
@@ -102,7 +101,7 @@ def build_tiny_model(path: str | Path, seed: int = DEFAULT_SEED) -> Path:
     # the greedy argmax clear of near-ties, so tokens vary and are stable.
     head = weights["lm_head.weight"] * 8.0
     row = mx.arange(head.shape[0])[:, None]
-    weights["lm_head.weight"] = mx.where(row < SPECIAL_IDS, 0.0, head)
+    weights["lm_head.weight"] = mx.where(row < FIRST_ORDINARY_TOKEN, 0.0, head)
     weights = {name: value.astype(mx.float32) for name, value in weights.items()}
     mx.eval(weights)
     mx.save_safetensors(str(path / "model.safetensors"), weights,

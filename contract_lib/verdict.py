@@ -27,12 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import TYPE_CHECKING
+from typing import Any
 
 from contract_lib import loops
-
-if TYPE_CHECKING:
-    from contract_lib.contract import Report
 
 
 class Outcome(enum.IntEnum):
@@ -101,8 +98,9 @@ def loop_mismatch(meta: dict) -> str | None:
             f"enable_overlap_mlx={meta.get('enable_overlap_mlx')})")
 
 
-def verdict(report: "Report", kv_damaged: bool = False) -> Verdict:
-    """The verdict on one checked run (``kv_damaged``: the real runner damaged the MLX KV
+def verdict(report: Any, kv_damaged: bool = False) -> Verdict:
+    """The verdict on one checked run (``report``: a :class:`contract_lib.contract.Report`,
+    not imported: the contract imports this module; ``kv_damaged``: the real runner damaged the MLX KV
     pool, see :func:`contract_lib.kvpool.damaged`)."""
     meta = report.meta
     status, error = meta.get("status"), meta.get("error") or {}

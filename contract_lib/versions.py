@@ -27,7 +27,7 @@ from pathlib import Path
 # compatibility shims (``shims.install_release_compat``); 0.5.22 and 0.5.23 need none.
 SUPPORTED_SGLANG_VERSIONS = ("0.5.21", "0.5.22", "0.5.23")
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+from contract_lib.paths import PROJECT_ROOT
 RELEASES_DIR_ENV = "CONTRACT_LIB_SGLANG_DIR"
 PIP_TIMEOUT_S = 900
 
@@ -170,13 +170,3 @@ def _say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def sglang_package_dir(folder: Path | None) -> Path | None:
-    """The ``sglang`` package directory a run imports: ``folder/sglang``, or the venv's."""
-    if folder is not None:
-        return folder / "sglang"
-    import importlib.util
-
-    spec = importlib.util.find_spec("sglang")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(list(spec.submodule_search_locations)[0])

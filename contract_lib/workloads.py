@@ -40,7 +40,11 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-WORKLOAD_DIR = Path(__file__).resolve().parent.parent / "data" / "workloads"
+from contract_lib.paths import WORKLOAD_DIR
+
+# Token ids below this are reserved: the model-free next-token function and the tiny
+# model never emit them (2 is EOS).
+FIRST_ORDINARY_TOKEN = 10
 
 
 EXPECT_KEYS = {"aborted", "vacuous"}
@@ -126,8 +130,8 @@ class Workload:
                 raise WorkloadError(f"{where} has an empty prompt")
             for token in spec.prompt:
                 _require_int(token, "prompt token", where)
-            if any(t < 10 for t in spec.prompt):
-                raise WorkloadError(f"{where} uses reserved ids < 10")
+            if any(t < FIRST_ORDINARY_TOKEN for t in spec.prompt):
+                raise WorkloadError(f"{where} uses reserved ids < {FIRST_ORDINARY_TOKEN}")
             _require_int(spec.max_new_tokens, "max_new_tokens", where, minimum=1)
             _require_int(spec.arrival, "arrival", where, minimum=0)
 

@@ -32,3 +32,21 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("CONTRACT_LIB_CACHE_DIR", str(tmp_path / "frames"))
     monkeypatch.delenv("CONTRACT_LIB_NO_CACHE", raising=False)
     return tmp_path / "frames"
+
+
+# -- tiers ---------------------------------------------------------------------------------
+# Every test gets exactly one tier marker (registered in pyproject.toml): a test module
+# declares ``fast`` or ``releases`` itself (``pytestmark``); notebooks are ``notebooks``;
+# everything else drives a real loop.
+_TIERS = ("fast", "real_loop", "releases", "notebooks")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(item.get_closest_marker(tier) for tier in _TIERS):
+            continue
+        path = str(item.path)
+        if path.endswith(".ipynb") or item.path.name == "test_notebooks.py":
+            item.add_marker(pytest.mark.notebooks)
+        else:
+            item.add_marker(pytest.mark.real_loop)

@@ -135,7 +135,9 @@ def test_user_modules_lists_only_files_outside_the_installed_code(tmp_path, monk
     assert str((tmp_path / "cf_user_module.py").resolve()) in found
     assert not [path for path in found if "site-packages" in path or "/lib/python3" in path]
     assert not set(found) & {str(path.resolve()) for path in cache.LIBRARY_FILES}
-    assert str(Path(contract_lib.__file__).resolve()) in found  # not a run module
+    # The whole package is in the key; this checkout's other modules (the tests) are not.
+    assert str(Path(contract_lib.__file__).resolve()) not in found
+    assert str(Path(__file__).resolve()) in found
 
 
 # -- 2. trusted contents: poisoned and malformed entries --------------------------------------

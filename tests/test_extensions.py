@@ -14,7 +14,7 @@ import pytest
 import contract_lib
 from contract_lib.cli import main
 from contract_lib.contract import HOLDS, NOT_EXERCISED, VIOLATED, check
-from contract_lib.extensions import EXTENSIONS, RFC, sglang_finding
+from contract_lib.contract import EXTENSIONS, RFC, sglang_finding
 from contract_lib.patches import BUILTIN_PATCHES, bug_catalog
 from contract_lib.status import SGLANG_WIDE, Status
 

@@ -13,6 +13,9 @@ from contract_lib import omni
 from contract_lib.contract import HOLDS, MASKED, check
 from contract_lib.workloads import workload_names
 
+# Tier: other SGLang releases / sglang-omni, installed from the package index on first use.
+pytestmark = pytest.mark.releases
+
 TORCH = ("normal", "overlap")
 
 

@@ -18,6 +18,9 @@ from contract_lib.pool import child_env
 from contract_lib.status import releases_status
 from contract_lib.tiny_model import reference_outputs
 
+# Tier: other SGLang releases / sglang-omni, installed from the package index on first use.
+pytestmark = pytest.mark.releases
+
 OLDER = ("0.5.21", "0.5.22")
 RELEASES = ("0.5.21", "0.5.22", "0.5.23")
 

@@ -1,0 +1,69 @@
+"""What every clause check shares: statuses, the result record, violation tables."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pandas as pd
+
+from contract_lib.contract.registry import CLAUSES
+
+HOLDS, VIOLATED, MASKED, NOT_EXERCISED = "holds", "violated", "violated-masked", "not-exercised"
+
+VIOLATION_COLUMNS = ["clause", "name", "field", "loop", "step", "launch", "rid", "expected",
+                     "actual", "explanation"]
+
+
+class NotExercised(Exception):
+    """Raised by a clause check: the run gave the clause nothing to check (the message
+    says why); the checker records ``not-exercised``."""
+
+
+@dataclasses.dataclass
+class ClauseResult:
+    clause: int
+    status: str
+    note: str
+    violations: pd.DataFrame
+
+    @property
+    def name(self) -> str:
+        return CLAUSES[self.clause]
+
+    def first(self) -> dict[str, Any] | None:
+        if self.violations.empty:
+            return None
+        return self.violations.iloc[0].to_dict()
+
+
+def violations(clause: int, loop: str, rows: pd.DataFrame | list[dict[str, Any]]
+               ) -> pd.DataFrame:
+    """A clause's violation records in schema order, sorted by step (then launch)."""
+    table = pd.DataFrame(rows) if isinstance(rows, list) else rows
+    table = table.assign(clause=clause, name=CLAUSES[clause], loop=loop)
+    table = table.reindex(columns=VIOLATION_COLUMNS).astype({"launch": object, "rid": object})
+    table = table.where(table.notna(), None)
+    return table.sort_values(["step", "launch"], kind="stable",
+                             na_position="first").reset_index(drop=True)
+
+
+def result(clause: int, loop: str, rows: pd.DataFrame | list[dict[str, Any]], note: str,
+           masked: bool = False) -> ClauseResult:
+    """``violated`` (``violated-masked`` when ``masked``) if there are rows, else ``holds``."""
+    status = (MASKED if masked else VIOLATED) if len(rows) else HOLDS
+    return ClauseResult(clause, status, note, violations(clause, loop, rows))
+
+
+def live_mask(requests: pd.DataFrame) -> pd.Series:
+    """Live request rows: holding a ``req_to_token`` row, not finished, launched."""
+    return (~requests["finished"].astype(bool) & requests["req_pool_idx"].notna()
+            & requests["kv_computed"].notna())
+
+
+def live(requests: pd.DataFrame) -> pd.DataFrame:
+    return requests[live_mask(requests)]
+
+
+def ints(series: pd.Series) -> pd.Series:
+    return series.astype("int64").astype(str)

@@ -1,0 +1,69 @@
+"""Clause 6, scheduling clocks advanced (field ``processed_tokens_counter``; this
+project's extension).
+
+Between two step boundaries the HRRN policy's clock advances by exactly the tokens the
+launches of that iteration prefilled (the prefill lanes' ``extend_lens``; decode lanes,
+decode and chained launches prefill none).
+"""
+
+from __future__ import annotations
+
+from contract_lib.contract.base import ClauseResult, NotExercised, result
+from contract_lib.contract.registry import EXTENSIONS, clause
+from contract_lib.frames import Frames
+
+
+def _clock_ran_ahead(result_) -> str | None:
+    """Clause 6's catalogued bug (``processed-tokens-counter``) makes the clock run ahead
+    (decode lanes counted as prefill); a clock that lags is not it."""
+    v = result_.violations
+    ahead = [int(a) > int(e) for a, e in zip(v["actual"].str.lstrip("+"),
+                                               v["expected"].str.lstrip("+"))]
+    return "processed-tokens-counter" if all(ahead) else None
+
+
+def _no_clock(frames: Frames) -> str | None:
+    steps = frames.steps
+    if "processed_tokens_counter" not in steps or steps["processed_tokens_counter"].isna().all():
+        return "this SGLang has no processed_tokens_counter"
+    return "no forward was launched" if frames.launches.empty else None
+
+
+@clause(6, "scheduling clocks advanced", fields=("processed_tokens_counter",),
+        audit_fields=("processed_tokens_counter",), origin=EXTENSIONS,
+        readers=("calc_priority (HRRN)", "every new arrival's snapshot"),
+        unexercised=_no_clock, finding=_clock_ran_ahead)
+def check_clocks(frames: Frames) -> ClauseResult:
+    """Clause 6: ``processed_tokens_counter`` advances by the tokens each step prefilled."""
+    loop = frames.loop
+    steps = frames.steps.sort_values("step")
+    launches = frames.launches
+    counter = steps.set_index("step")["processed_tokens_counter"].astype("int64")
+    prefilled = launches.groupby("step")["prefilled_tokens"].sum()
+    first_launch = launches.groupby("step")["launch"].min()
+    modes = launches.groupby("step")["mode"].agg(lambda m: "/".join(dict.fromkeys(
+        str(x) for x in m)))
+    rows, checked = [], 0
+    for before, after in zip(counter.index[:-1], counter.index[1:]):
+        expected = int(prefilled.get(before, 0))
+        actual = int(counter[after] - counter[before])
+        checked += before in first_launch.index
+        if actual == expected:
+            continue
+        launch = first_launch.get(before)
+        what = (f"the {modes[before]} launch(es) of step {before}" if launch is not None
+                else f"step {before}, which launched nothing,")
+        if actual > expected:
+            why = (f"ran ahead by {actual - expected} tokens {what} did not prefill; "
+                   "calc_priority and every new arrival's snapshot read the clock")
+        else:
+            why = (f"missed {expected - actual} of the tokens {what} prefilled; "
+                   "calc_priority and every new arrival's snapshot read the clock")
+        rows.append({"field": "processed_tokens_counter", "step": int(after),
+                     "launch": None if launch is None else int(launch),
+                     "expected": f"+{expected}", "actual": f"+{actual}",
+                     "explanation": "the HRRN clock " + why})
+    if not checked:
+        raise NotExercised("no launch was followed by a step boundary")
+    note = f"{checked} launching steps checked"
+    return result(6, loop, rows, note)

@@ -1,0 +1,89 @@
+"""Clause 2, counters advanced (fields ``seq_lens``, ``kv_committed_len``,
+``kv_allocated_len``; this project's extension adds ``decode_batch_idx``).
+
+For every live request, each counter equals ``kv_computed``: zero lag behind the tokens
+computed. The torch overlap loop's counters include its one in-flight step, and so does
+``kv_computed``, so that lead is the reference. The extension: ``decode_batch_idx``
+equals ``kv_computed - kv_prefilled`` (every decode launch computes exactly one position
+of each of its requests).
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from contract_lib.contract.base import (ClauseResult, HOLDS, VIOLATED, live, live_mask,
+                                        result, violations)
+from contract_lib.contract.registry import clause, extend
+from contract_lib.frames import Frames
+
+_COUNTERS = {"seq_len": "seq_lens", "kv_committed_len": "kv_committed_len",
+             "kv_allocated_len": "kv_allocated_len"}
+
+
+def _no_live_request(frames: Frames) -> str | None:
+    return None if live_mask(frames.requests).any() else "no live request had a launched position"
+
+
+@clause(2, "counters advanced", fields=tuple(_COUNTERS.values()),
+        audit_fields=("seq_lens", "seq_lens_cpu", "orig_seq_lens", "seq_lens_sum",
+                      "kv_committed_len", "kv_allocated_len"),
+        readers=("release_kv_cache (owned_kv_len, bounded by kv_committed_len)",
+                 "check_decode_mem", "retraction budget"),
+        unexercised=_no_live_request)
+def check_counters(frames: Frames) -> ClauseResult:
+    loop = frames.loop
+    alive = live(frames.requests)
+    parts = []
+    for order, (column, field) in enumerate(_COUNTERS.items()):
+        bad = alive[alive[column].notna() & (alive[column] != alive["kv_computed"])]
+        computed, value = bad["kv_computed"].astype("int64"), bad[column].astype("int64")
+        direction = pd.Series("lags", index=bad.index).where(value < computed, "leads")
+        parts.append(pd.DataFrame({
+            "field": field, "step": bad["step"].astype("int64"), "rid": bad["rid"],
+            "expected": computed.astype(object), "actual": value.astype(object),
+            "explanation": f"{field} " + direction + " the " + computed.astype(str)
+                           + " positions the forward computed by "
+                           + (computed - value).abs().astype(str)
+                           + "; radix insertion and release stop at the committed bound",
+            "order": order}))
+    rows = pd.concat(parts).sort_values(["step", "order"], kind="stable").drop(
+        columns="order")
+    note = f"{len(alive)} (step, request) counter sets checked"
+    return result(2, loop, rows, note)
+
+
+@extend(2, fields=("decode_batch_idx",))
+def check_counters_extended(frames: Frames) -> ClauseResult:
+    """Clause 2 with ``decode_batch_idx`` added to the RFC's three counters (read by SWA
+    eviction, the SWA retain window and mamba tracking)."""
+    base = check_counters(frames)
+    requests = frames.requests
+    if "decode_batch_idx" not in requests:
+        return base
+    alive = requests[live_mask(requests) & requests["decode_batch_idx"].notna()
+                     & requests["kv_prefilled"].notna()]
+    if alive.empty:
+        return ClauseResult(2, base.status, base.note + "; decode_batch_idx not recorded "
+                            "by this SGLang", base.violations)
+    expected = (alive["kv_computed"] - alive["kv_prefilled"]).astype("int64")
+    value = alive["decode_batch_idx"].astype("int64")
+    bad = alive[value != expected]
+    lag = (expected[bad.index] - value[bad.index])
+    direction = pd.Series("lags", index=bad.index).where(lag > 0, "leads")
+    rows = pd.DataFrame({
+        "field": "decode_batch_idx", "step": bad["step"].astype("int64"), "rid": bad["rid"],
+        "expected": expected[bad.index].astype(object),
+        "actual": value[bad.index].astype(object),
+        "explanation": "decode_batch_idx " + direction + " the "
+                       + expected[bad.index].astype(str) + " decode steps computed since "
+                       "the request's prefill by " + lag.abs().astype(str)
+                       + "; SWA eviction, the SWA retain window and mamba tracking "
+                       "count decode steps by it"})
+    found = base.violations
+    if len(rows):
+        extra = violations(2, frames.loop, rows)
+        found = pd.concat([base.violations, extra], ignore_index=True).sort_values(
+            "step", kind="stable").reset_index(drop=True)
+    note = base.note + f"; decode_batch_idx on {len(alive)}"
+    return ClauseResult(2, VIOLATED if len(found) else HOLDS, note, found)

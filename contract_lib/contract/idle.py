@@ -1,0 +1,56 @@
+"""Clause 5, in-flight predicates test any overlap loop (field ``result_queue``; the
+loop's in-flight term, :attr:`contract_lib.loops.LoopSpec.in_flight`).
+
+Whenever an overlap loop holds in-flight work, ``is_fully_idle`` evaluated with every
+other term masked to idle (running batch empty, last batch, chunked request and waiting
+queue none) says "not idle". If the masked probe says idle while the real predicate said
+busy, the answer was right only by accident: ``violated-masked``.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from contract_lib import loops
+from contract_lib.contract.base import ClauseResult, ints, result
+from contract_lib.contract.registry import clause
+from contract_lib.frames import Frames
+
+
+def _overlap(steps: pd.DataFrame) -> pd.Series:
+    return steps["enable_overlap"].astype(bool) | steps["enable_overlap_mlx"].astype(bool)
+
+
+def _in_flight(steps: pd.DataFrame) -> pd.DataFrame:
+    return steps[_overlap(steps) & (steps["result_queue_len"] > 0)]
+
+
+def _no_in_flight_work(frames: Frames) -> str | None:
+    if not _overlap(frames.steps).any():
+        return "not an overlap loop: no in-flight work"
+    if _in_flight(frames.steps).empty:
+        return "no step held in-flight work"
+    return None
+
+
+@clause(5, "in-flight predicates test any overlap loop", fields=("result_queue",),
+        audit_fields=("result_queue",),
+        readers=("release_memory_occupation (asserts it)", "flush_cache",
+                 "the health check", "HiCache attach/detach", "PD role switch"),
+        unexercised=_no_in_flight_work)
+def check_idle_predicate(frames: Frames) -> ClauseResult:
+    loop = frames.loop
+    in_flight = _in_flight(frames.steps)
+    bad = in_flight[in_flight["idle_probe"].astype(bool)]
+    masked = ~bad["is_fully_idle"].astype(bool)
+    queue = loops.known(loop).in_flight
+    rows = pd.DataFrame({
+        "field": queue, "step": bad["step"].astype("int64"),
+        "expected": "not idle (in-flight term)",
+        "actual": "idle with " + ints(bad["result_queue_len"]) + " job(s) queued",
+        "explanation": pd.Series(
+            "the predicate reported idle while work was in flight", index=bad.index).where(
+            ~masked, f"the in-flight term ignores this loop's {queue}; the real "
+                     "predicate said busy only because the running/last batch terms did")})
+    note = f"{len(in_flight)} steps with in-flight work checked"
+    return result(5, loop, rows, note, masked=bool(len(bad)) and bool(masked.all()))

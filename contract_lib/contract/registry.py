@@ -1,0 +1,129 @@
+"""The clause registry: each clause of the contract declared once, with everything the
+checker, the report, ``status``, ``trace`` and ``audit`` need to know about it.
+
+A clause module declares its check with :func:`clause` (the way Hypothesis' ``@invariant``
+records an invariant and its precondition): number, name, the fields it covers, their
+SGLang readers, its origin (the RFC or this project's extensions) and, optionally, the
+condition under which the run exercised it (``unexercised``: why not, or None). An
+extension that adds fields to an existing clause declares its check with :func:`extend`.
+
+Clause sets: ``"rfc"`` (the RFC's clauses, as the RFC states them) and ``"all"`` (every
+clause, extended where an extension adds fields).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+RFC = "RFC #32833"
+EXTENSIONS = "this project's extensions"
+CLAUSE_SETS = ("all", "rfc")
+
+Check = Callable[[Any], Any]  # Frames -> ClauseResult
+
+
+@dataclasses.dataclass
+class Clause:
+    """One clause: what it is, where it comes from, how it is checked."""
+
+    number: int
+    name: str
+    check: Check
+    fields: tuple[str, ...] = ()  # the fields the clause states (docs, tables)
+    # Every field name the effects audit may report for this clause (pseudo-fields name
+    # in-place tensor writes, e.g. ``req_to_token[]``).
+    audit_fields: tuple[str, ...] = ()
+    readers: tuple[str, ...] = ()  # SGLang code that reads the fields
+    origin: str = RFC
+    # Frames -> why the run did not exercise the clause, or None (checked before ``check``).
+    unexercised: Callable[[Any], str | None] | None = None
+    # The ``"all"`` set's check, when an extension adds fields to this clause.
+    extended: Check | None = None
+    extended_fields: tuple[str, ...] = ()
+    # ClauseResult -> the id of the catalogued SGLang-wide bug its violations are, or None.
+    finding: Callable[[Any], str | None] | None = None
+
+
+REGISTRY: dict[int, Clause] = {}
+# Derived views, kept up to date by :func:`register` (the same dict objects throughout).
+CLAUSES: dict[int, str] = {}  # number -> name
+EXTENSION_CLAUSES: dict[int, str] = {}  # number -> name, this project's own clauses
+EXTENDED_FIELDS: dict[int, list[str]] = {}  # number -> fields an extension adds
+CLAUSE_OF_FIELD: dict[str, int] = {}  # audit field -> clause number
+
+
+def register(declared: Clause) -> Clause:
+    """Add (or replace) a clause and refresh the derived views."""
+    previous = REGISTRY.get(declared.number)
+    if previous is not None and declared.extended is None:
+        declared.extended, declared.extended_fields = previous.extended, previous.extended_fields
+    REGISTRY[declared.number] = declared
+    _refresh()
+    return declared
+
+
+def unregister(number: int) -> None:
+    """Remove a clause (tests that register a toy one)."""
+    REGISTRY.pop(number, None)
+    _refresh()
+
+
+def _refresh() -> None:
+    ordered = [REGISTRY[n] for n in sorted(REGISTRY)]
+    for view in (CLAUSES, EXTENSION_CLAUSES, EXTENDED_FIELDS, CLAUSE_OF_FIELD):
+        view.clear()
+    for c in ordered:
+        CLAUSES[c.number] = c.name
+        if c.origin == EXTENSIONS:
+            EXTENSION_CLAUSES[c.number] = c.name
+        if c.extended_fields:
+            EXTENDED_FIELDS[c.number] = list(c.extended_fields)
+        for name in (*c.audit_fields, *c.extended_fields):
+            CLAUSE_OF_FIELD.setdefault(name, c.number)
+
+
+def clause(number: int, name: str, *, fields: tuple[str, ...] = (),
+           audit_fields: tuple[str, ...] = (), readers: tuple[str, ...] = (),
+           origin: str = RFC, unexercised: Callable[[Any], str | None] | None = None,
+           finding: Callable[[Any], str | None] | None = None) -> Callable[[Check], Check]:
+    """Decorator: declare ``number`` checked by the decorated function."""
+    def declare(check: Check) -> Check:
+        register(Clause(number, name, check, fields, audit_fields, readers, origin,
+                        unexercised, finding=finding))
+        return check
+    return declare
+
+
+def extend(number: int, fields: tuple[str, ...]) -> Callable[[Check], Check]:
+    """Decorator: the ``"all"`` set checks clause ``number`` with the decorated function,
+    which adds ``fields`` (declared after the clause itself)."""
+    def declare(check: Check) -> Check:
+        declared = REGISTRY[number]
+        declared.extended, declared.extended_fields = check, tuple(fields)
+        _refresh()
+        return check
+    return declare
+
+
+def clause_checks(clauses: str = "all") -> dict[int, Check]:
+    """The check function per clause number of a clause set (``"rfc"`` or ``"all"``)."""
+    if clauses not in CLAUSE_SETS:
+        raise ValueError(f"unknown clause set {clauses!r}; one of: {', '.join(CLAUSE_SETS)}")
+    if clauses == "rfc":
+        return {n: c.check for n, c in sorted(REGISTRY.items()) if c.origin == RFC}
+    return {n: c.extended or c.check for n, c in sorted(REGISTRY.items())}
+
+
+def origin(number: int) -> str:
+    """``RFC #32833`` or ``this project's extensions``."""
+    return EXTENSIONS if number in EXTENSION_CLAUSES else RFC
+
+
+def sglang_finding(number: int, result) -> str | None:
+    """The catalogued SGLang-wide bug (``data/bugs.toml`` id) a clause's violations are,
+    else None."""
+    declared = REGISTRY.get(number)
+    if declared is None or declared.finding is None or result.violations.empty:
+        return None
+    return declared.finding(result)

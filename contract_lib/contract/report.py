@@ -1,0 +1,245 @@
+"""The report of a checked run: one result per clause of a clause set, SGLang's own pool
+conservation law, the aborted requests, and the run's verdict; :func:`check` and
+:func:`assert_contract`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pandas as pd
+
+from contract_lib.contract.base import (NOT_EXERCISED, VIOLATION_COLUMNS, ClauseResult,
+                                        NotExercised, violations)
+from contract_lib.contract.registry import (EXTENDED_FIELDS, REGISTRY, Check, clause_checks,
+                                            origin, sglang_finding)
+from contract_lib.frames import Frames, run_title
+from contract_lib.verdict import Outcome, Verdict, verdict
+
+
+class ContractViolation(AssertionError):
+    """Raised by :func:`assert_contract`; the message starts ``clause N (name): field F``."""
+
+
+class UntrustedVerdict(ContractViolation):
+    """Raised by :func:`assert_contract` when no clause is violated but the run cannot
+    pass: ``outcome`` (:class:`contract_lib.verdict.Outcome`) says why, ``status`` is the
+    run's status; ``type`` and ``message`` are its error's, if any."""
+
+    def __init__(self, verdict_: Verdict, meta: dict[str, Any]) -> None:
+        error = meta.get("error") or {}
+        self.outcome = verdict_.outcome
+        self.status = meta.get("status")
+        self.type = error.get("type")
+        self.message = error.get("message")
+        super().__init__(f"{run_title(meta)}: {verdict_.outcome.label}: {verdict_.reason}")
+
+
+class RunDidNotFinish(UntrustedVerdict):
+    """The run crashed, died or timed out (or failed in set-up, or entered another loop
+    than the one asked for): the clauses it did not violate prove nothing."""
+
+
+class VacuousRun(UntrustedVerdict):
+    """The run finished but exercised no clause, or SGLang aborted a request the workload
+    did not declare as expected to be aborted."""
+
+
+@dataclasses.dataclass
+class Report:
+    """The check of one run: a result per clause, the pool check, and the run's fate."""
+
+    meta: dict[str, Any]
+    clauses: dict[int, ClauseResult]
+    pool: pd.DataFrame
+    # Requests SGLang aborted: rid, message, expected (declared by the workload).
+    aborted: pd.DataFrame = dataclasses.field(
+        default_factory=lambda: pd.DataFrame(columns=ABORTED_COLUMNS))
+    clause_set: str = "all"
+
+    @property
+    def ok(self) -> bool:
+        """True only for a pass: the requested loop ran to the end, no clause violated,
+        at least one exercised, no unexpected aborted request (see :meth:`verdict`)."""
+        return self.verdict().outcome == Outcome.PASS
+
+    def verdict(self, kv_damaged: bool = False) -> Verdict:
+        """The run's outcome and exit code (:mod:`contract_lib.verdict`)."""
+        return verdict(self, kv_damaged)
+
+    def vacuity(self) -> list[str]:
+        """Why a finished run proves nothing, unless its workload declares it expected:
+        requests SGLang aborted, or no clause exercised."""
+        expect = self.meta.get("expect") or {}
+        reasons = [f"SGLang aborted request {r.rid}: {r.message}"
+                   for r in self.aborted.itertuples(index=False) if not r.expected]
+        if (all(r.status == NOT_EXERCISED for r in self.clauses.values())
+                and not expect.get("vacuous")):
+            reasons.append("no clause was exercised")
+        return reasons
+
+    @property
+    def violations(self) -> pd.DataFrame:
+        """Every violation of every clause, ordered by clause then step."""
+        frames = [r.violations for r in self.clauses.values() if not r.violations.empty]
+        if not frames:
+            return pd.DataFrame(columns=VIOLATION_COLUMNS)
+        return pd.concat(frames, ignore_index=True)
+
+    def table(self) -> pd.DataFrame:
+        """One row per clause: status, violation count, the first violation, and where
+        the clause comes from (``RFC #32833`` or ``this project's extensions``)."""
+        rows = []
+        for number, result in self.clauses.items():
+            first = result.first() or {}
+            rows.append({
+                "clause": number, "name": result.name, "status": result.status,
+                "violations": len(result.violations), "first_step": first.get("step"),
+                "first_field": first.get("field"), "first_rid": first.get("rid"),
+                "note": result.note, "origin": origin(number),
+            })
+        return pd.DataFrame(rows)
+
+    def text(self) -> str:
+        """A short text table and the first violation per clause, for terminals."""
+        meta = self.meta
+        lines = [f"{run_title(meta)}: run {meta['status']}, {meta['steps']} steps"]
+        if meta.get("error"):
+            error = meta["error"]
+            lines.append(f"  run {meta['status']}: {error['type']}: {error['message']}")
+        lines.append("")
+        lines.append(f"  {'clause':<48} {'status':<16} violations")
+        section = None
+        for number, result in self.clauses.items():
+            if origin(number) != section:
+                section = origin(number)
+                lines.append(f"  [{section}]")
+            label = f"{number} {result.name}"
+            if self.clause_set == "all" and number in EXTENDED_FIELDS:
+                label += f" (+ {', '.join(EXTENDED_FIELDS[number])})"
+            lines.append(f"  {label:<48} {result.status:<16} {len(result.violations)}")
+        leaks = len(self.pool)
+        lines.append(f"  {'- KV pool conservation (SGLang InvariantChecker)':<48} "
+                     f"{'leak' if leaks else 'balanced':<16} {leaks}")
+        for number, result in self.clauses.items():
+            first = result.first()
+            if first is not None:
+                lines.append("")
+                lines.append(violation_message(first))
+                finding = sglang_finding(number, result)
+                if finding:
+                    lines.append(f"  (an SGLang-wide finding, not this loop's own: bug "
+                                 f"{finding} in data/bugs.toml)")
+            elif result.status == NOT_EXERCISED:
+                lines.append("")
+                lines.append(f"clause {number} ({result.name}): not exercised: {result.note}")
+        if leaks:
+            first = self.pool.iloc[0]
+            lines.append("")
+            lines.append(f"KV pool: first leak at step {first['step']}: {first['explanation']}")
+        for r in self.aborted.itertuples(index=False):
+            lines.append("")
+            lines.append(f"request {r.rid} aborted by SGLang"
+                         f"{' (declared expected)' if r.expected else ''}: {r.message}")
+        outcome = self.verdict()
+        if outcome.outcome not in (Outcome.PASS, Outcome.VIOLATED) or not self.aborted.empty:
+            lines.append("")
+            lines.append(outcome.line())
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.text()
+
+
+def violation_message(v: dict[str, Any]) -> str:
+    """``clause N (name): field F at step S [request R]: expected E, got A. why``"""
+    where = f"step {v['step']}"
+    if v.get("launch") is not None and not pd.isna(v.get("launch")):
+        where += f" (launch {int(v['launch'])})"
+    if v.get("rid") is not None:
+        where += f", request {v['rid']}"
+    return (f"clause {v['clause']} ({v['name']}): field {v['field']} at {where} on "
+            f"{v['loop']}: expected {v['expected']}, got {v['actual']}. {v['explanation']}")
+
+
+# -- pool conservation ---------------------------------------------------------------------
+
+
+def check_pool(frames: Frames) -> pd.DataFrame:
+    """Steps at which SGLang's own pool conservation law did not balance."""
+    steps = frames.steps
+    leaks = steps[steps["pool_leak"].astype(bool)]
+    rows = []
+    for r in leaks.itertuples(index=False):
+        rows.append({"step": int(r.step), "loop": r.loop, "explanation": (
+            f"available {r.kv_available} + evictable {r.kv_evictable} + protected "
+            f"{r.kv_protected} + uncached {r.kv_uncached} != total {r.kv_total}")})
+    return pd.DataFrame(rows, columns=["step", "loop", "explanation"])
+
+
+# -- aborted requests ----------------------------------------------------------------------
+
+ABORTED_COLUMNS = ["rid", "message", "expected"]
+
+
+def aborted_requests(frames: Frames) -> pd.DataFrame:
+    """Requests whose last recorded ``finish_reason`` is SGLang's ``abort``, with its
+    message and whether the workload declares the abort expected (``[expect] aborted``).
+    Frames recorded without the ``finish_reason`` column have none."""
+    requests = frames.requests
+    if "finish_reason" not in requests or requests.empty:
+        return pd.DataFrame(columns=ABORTED_COLUMNS)
+    last = requests.sort_values("step", kind="stable").groupby("rid", sort=False).tail(1)
+    aborted = last[last["finish_reason"] == "abort"]
+    expected = set((frames.meta.get("expect") or {}).get("aborted", ()))
+    return pd.DataFrame({"rid": aborted["rid"].tolist(),
+                         "message": aborted["finish_message"].tolist(),
+                         "expected": [rid in expected for rid in aborted["rid"]]},
+                        columns=ABORTED_COLUMNS)
+
+
+
+def evaluate(number: int, check_: Check, frames: Frames) -> ClauseResult:
+    """Run one clause's check: ``not-exercised`` (with the reason) when its declared
+    condition or the check itself says the run gave it nothing to check."""
+    declared = REGISTRY[number]
+    why = declared.unexercised(frames) if declared.unexercised else None
+    if why is None:
+        try:
+            return check_(frames)
+        except NotExercised as exc:
+            why = str(exc)
+    return ClauseResult(number, NOT_EXERCISED, why, violations(number, frames.loop, []))
+
+
+def check(frames: Frames, clauses: str = "all") -> Report:
+    """Check a clause set on one run's frames (whatever its status): ``"all"`` (the
+    RFC's five and this project's extensions) or ``"rfc"`` (the RFC's five only); the
+    report's :meth:`Report.verdict` says whether the run earned a pass."""
+    checks = clause_checks(clauses)
+    return Report(meta=dict(frames.meta),
+                  clauses={number: evaluate(number, check_, frames)
+                           for number, check_ in checks.items()},
+                  pool=check_pool(frames), aborted=aborted_requests(frames),
+                  clause_set=clauses)
+
+
+def assert_contract(frames: Frames, clauses: str = "all") -> Report:
+    """Return the report of a run that passes, else raise.
+
+    :class:`ContractViolation` for the lowest violated clause (the message starts
+    ``clause N (name): field F``, for pytest), even from a run that did not finish;
+    otherwise :class:`RunDidNotFinish` (crashed, died, timeout, set-up failure, another
+    loop) or :class:`VacuousRun` (no clause exercised, an unexpected aborted request)."""
+    report = check(frames, clauses)
+    for result in report.clauses.values():
+        first = result.first()
+        if first is not None:
+            raise ContractViolation(violation_message(first))
+    outcome = report.verdict()
+    if outcome.outcome == Outcome.VACUOUS:
+        raise VacuousRun(outcome, report.meta)
+    if outcome.outcome != Outcome.PASS:
+        raise RunDidNotFinish(outcome, report.meta)
+    return report

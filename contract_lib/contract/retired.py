@@ -1,0 +1,95 @@
+"""Clause 7, request state retired (the backend's per-request structures, table
+``backend_state``; this project's extension).
+
+A request the scheduler released (finished, aborted or retracted: it holds no
+``req_to_token`` row) has no backend state left once a launch that follows its release
+has completed, nor at a step where the loop is idle; and no backend state exists for a
+request the scheduler does not hold, nor one that maps a held request to another row
+than the scheduler's.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from contract_lib.contract.base import ClauseResult, NotExercised, result
+from contract_lib.contract.registry import EXTENSIONS, clause
+from contract_lib.frames import Frames
+
+
+def _backend_state(frames: Frames) -> pd.DataFrame:
+    state = frames.tables.get("backend_state", pd.DataFrame())
+    return pd.DataFrame() if state is None else state
+
+
+def _no_backend_state(frames: Frames) -> str | None:
+    return "the loop's backend kept no per-request state" if _backend_state(frames).empty else None
+
+
+@clause(7, "request state retired", fields=("backend_state",), origin=EXTENSIONS,
+        readers=("a re-admitted request id (routes as a continuation)",
+                 "the pool flush (syncs through the row)"),
+        unexercised=_no_backend_state)
+def check_retired(frames: Frames) -> ClauseResult:
+    """Clause 7: the backend keeps no state for a request the scheduler released."""
+    loop = frames.loop
+    state = _backend_state(frames)
+    requests = frames.requests
+    released = requests.assign(released=requests["finished"].astype(bool)
+                               | requests["req_pool_idx"].isna())
+    released = released.set_index(["rid", "step"]).sort_index()
+    steps = frames.steps.set_index("step")
+    idle = (steps["is_fully_idle"].astype(bool) & (steps["result_queue_len"] == 0))
+    launch_steps = sorted(set(frames.launches["step"].astype(int)))
+    since: dict[tuple[str, int], int] = {}  # (rid, step) -> step its released streak began
+    for rid, group in released.groupby(level="rid"):
+        start = None
+        had_row = False
+        for (_, step), row in group.iterrows():
+            had_row |= pd.notna(row["req_pool_idx"])
+            if row["released"] and had_row:
+                start = step if start is None else start
+                since[(rid, step)] = start
+            else:
+                start = None
+    held_rows = requests.set_index(["rid", "step"])["req_pool_idx"]
+    rows, released_seen = [], {key[0] for key in since}
+    for r in state.itertuples(index=False):
+        step, rid = int(r.step), r.rid
+        entry = f"{r.structure}[{rid!r}]" + ("" if pd.isna(r.row) else f" -> row {int(r.row)}")
+        if (rid, step) not in held_rows.index:
+            rows.append({"field": r.structure, "step": step, "rid": rid,
+                         "expected": "no state (the scheduler does not hold this request)",
+                         "actual": entry, "explanation": "backend state for a request id "
+                         "the scheduler never received or no longer knows"})
+            continue
+        start = since.get((rid, step))
+        if start is None:
+            held = held_rows[(rid, step)]
+            if not pd.isna(r.row) and not pd.isna(held) and int(r.row) != int(held):
+                rows.append({"field": r.structure, "step": step, "rid": rid,
+                             "expected": f"row {int(held)} (the scheduler's)",
+                             "actual": entry, "explanation": "the backend maps the request "
+                             "to a row it no longer holds: a sync through it writes KV into "
+                             "another request's slots"})
+            continue
+        after = [s for s in launch_steps if start <= s < step]
+        if after:
+            why = (f"kept after launch(es) at step {after[0]}"
+                   f"{'...' + str(after[-1]) if len(after) > 1 else ''} that followed its "
+                   f"release (seen at step {start})")
+        elif step in idle.index and idle[step]:
+            why = f"kept while the loop is idle (released, seen at step {start})"
+        else:
+            continue
+        rows.append({"field": r.structure, "step": step, "rid": rid,
+                     "expected": "no state (released)", "actual": entry,
+                     "explanation": why + ": a re-admitted id routes as a continuation, "
+                     "a pool flush syncs through the stale row, and the cache's arrays "
+                     "stay allocated"})
+    if not released_seen and not rows:
+        raise NotExercised("no request was released")
+    structures = state["structure"].nunique()
+    note = (f"{len(state)} backend entries over {structures} per-request structures "
+            f"checked; {len(released_seen)} requests released")
+    return result(7, loop, rows, note)

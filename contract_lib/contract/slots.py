@@ -1,0 +1,96 @@
+"""Clause 1, slots recorded (field ``req_to_token``).
+
+For every live request and every position ``p < kv_computed``, ``req_to_token[row, p]``
+is a real slot recorded for this request: written into its row while it held the row
+(the allocator handed the slot to it, or it is its own radix-matched prefix), not the
+padding slot 0, not free in the allocator, and not held by another live request (a slot
+both requests hold at the same position inside their radix-protected prefix,
+``p < cache_protected_len``, is shared by design). An entry the request never wrote is
+``stale``: left by the row's previous holder, it points at a slot the radix tree keeps
+for another request.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from contract_lib.contract.base import NotExercised, ClauseResult, ints, live, result
+from contract_lib.contract.registry import clause
+from contract_lib.frames import Frames
+
+SLOT_STATES = ("recorded", "not computed", "slot 0", "free", "shared", "stale")
+BAD_SLOT_STATES = ("slot 0", "free", "shared", "stale")
+
+
+def slot_states(frames: Frames) -> pd.DataFrame:
+    """Every ``slots`` entry of a live request, classified for clause 1.
+
+    Adds ``kv_computed``, ``cache_protected_len`` and ``state``: ``recorded``, ``not
+    computed`` (``position >= kv_computed``: allocated ahead, not checked), or one of the
+    violations ``slot 0`` (the padding slot), ``free`` (free in the allocator), ``shared``
+    (held by another live request other than by radix sharing: the same position inside
+    both rows' protected prefix), ``stale`` (an entry this request never wrote: left by
+    the row's previous holder, a slot the radix tree keeps for another request). The
+    first of ``slot 0``, ``free``, ``shared``, ``stale`` that applies wins. Frames
+    without the ``written`` column (older recordings) never show ``stale``.
+    """
+    alive = live(frames.requests)[["step", "rid", "kv_computed", "cache_protected_len"]]
+    slots = frames.slots.merge(alive, on=["step", "rid"], how="inner")
+    computed = slots["position"] < slots["kv_computed"]
+    inside = slots[computed]
+    by_slot = inside.assign(private=inside["position"] >= inside["cache_protected_len"]
+                            ).groupby(["step", "slot"])
+    shared = ((by_slot["rid"].transform("nunique") > 1)
+              & ((by_slot["position"].transform("nunique") > 1)
+                 | by_slot["private"].transform("any")))
+    state = pd.Series("not computed", index=slots.index)
+    state[computed] = "recorded"
+    written = slots["written"] if "written" in slots else pd.Series(True, index=slots.index)
+    state[computed & (written == False)] = "stale"  # noqa: E712 - None means unknown
+    state[shared[shared].index] = "shared"
+    state[computed & slots["slot_free"].astype(bool)] = "free"
+    state[computed & (slots["slot"] == 0)] = "slot 0"
+    return slots.assign(state=state)
+
+
+@clause(1, "slots recorded", fields=("req_to_token",),
+        audit_fields=("req_to_token[]", "out_cache_loc", "free_pages"),
+        readers=("MLX _sync_decode_kv_to_pool (pool slot ids)",
+                 "radix insertion (keys the request's slots)"))
+def check_slots(frames: Frames) -> ClauseResult:
+    loop = frames.loop
+    states = slot_states(frames)
+    checked = states[states["state"] != "not computed"]
+    if checked.empty:
+        raise NotExercised("no live request had a launched position")
+    bad = checked[checked["state"].isin(BAD_SLOT_STATES)]
+    padding, free, shared, stale = (bad["state"] == kind for kind in BAD_SLOT_STATES)
+    slot = "slot " + ints(bad["slot"])
+    others = pd.Series("", index=bad.index)
+    if shared.any():
+        rids = bad[shared].groupby(["step", "slot"])["rid"].transform(
+            lambda group: ", ".join(sorted(set(group))))
+        others[shared] = [", ".join(r for r in all_.split(", ") if r != own)
+                          for all_, own in zip(rids, bad.loc[shared, "rid"])]
+    actual = slot.where(~free, slot + " (free)").where(~shared, slot + " (also held by "
+                                                        + others + ")")
+    actual = actual.where(~padding, "slot 0").where(
+        ~stale, slot + " (never written for " + bad["rid"] + ")")
+    explanation = pd.Series(
+        "another live request's slot: a pool sync would overwrite its KV", index=bad.index)
+    explanation = explanation.where(
+        ~stale, "an entry this request never wrote: left by the row's previous holder, a "
+                "slot the radix tree keeps for another request; a pool sync would "
+                "overwrite that request's cached KV")
+    explanation = explanation.where(
+        ~free, "a slot the allocator holds as free: a stale entry in a reused row")
+    explanation = explanation.where(
+        ~padding, "the padding slot: the scheduler never recorded this position, so a "
+                  "pool sync would write its KV to slot 0")
+    rows = pd.DataFrame({
+        "field": "req_to_token", "step": bad["step"].astype("int64"), "rid": bad["rid"],
+        "expected": "an allocated slot of " + bad["rid"] + " at position "
+                    + ints(bad["position"]),
+        "actual": actual, "explanation": explanation})
+    note = f"{len(checked)} (step, request, position) entries checked"
+    return result(1, loop, rows, note)

@@ -1,0 +1,66 @@
+"""Clause 3, step stamped (fields ``forward_ct``, ``forward_iter``, ``launch_ts``).
+
+Every launch advances ``forward_ct`` by exactly one; the batch ``process_batch_result``
+receives for it carries ``forward_iter == forward_ct`` of that launch and a set
+``launch_ts``, non-decreasing over launches.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from contract_lib.contract.base import ClauseResult, result
+from contract_lib.contract.registry import clause
+from contract_lib.frames import Frames
+
+
+def _nothing_launched(frames: Frames) -> str | None:
+    return "no forward was launched" if frames.launches.empty else None
+
+
+@clause(3, "step stamped", fields=("forward_ct", "forward_iter", "launch_ts"),
+        audit_fields=("forward_ct", "forward_iter", "launch_ts", "after_idle_gap",
+                      "_sched_idled"),
+        readers=("the watchdog (forward_ct)", "the profiler step predicate",
+                 "_record_step_counters (forward_iter, launch_ts)"),
+        unexercised=_nothing_launched)
+def check_stamps(frames: Frames) -> ClauseResult:
+    loop = frames.loop
+    launches = frames.launches.sort_values("launch")
+    ct = launches["forward_ct"].astype("int64")
+    expected_ct = ct.shift(1, fill_value=int(frames.steps["forward_ct"].iloc[0])) + 1
+    bad_ct = launches[ct != expected_ct]
+    parts = [pd.DataFrame({
+        "field": "forward_ct", "step": bad_ct["step"], "launch": bad_ct["launch"],
+        "expected": expected_ct[bad_ct.index].astype(object),
+        "actual": ct[bad_ct.index].astype(object),
+        "explanation": "a launch must advance forward_ct by one; the watchdog and the "
+                       "profiler count launches by it"})]
+    processed = launches[launches["processed_step"].notna()]
+    iters = processed["processed_forward_iter"]
+    bad_iter = processed[iters.isna() | (iters != processed["forward_ct"])]
+    parts.append(pd.DataFrame({
+        "field": "forward_iter", "step": bad_iter["processed_step"],
+        "launch": bad_iter["launch"], "expected": bad_iter["forward_ct"].astype(object),
+        "actual": bad_iter["processed_forward_iter"].astype(object),
+        "explanation": "process_batch_result received a batch whose forward_iter is not "
+                       "its launch's forward_ct"}))
+    ts = pd.to_numeric(processed["processed_launch_ts"], errors="coerce")
+    missing = processed[ts.isna()]
+    parts.append(pd.DataFrame({
+        "field": "launch_ts", "step": missing["processed_step"], "launch": missing["launch"],
+        "expected": "a monotonic timestamp", "actual": None,
+        "explanation": "process_batch_result received a batch with no launch_ts; "
+                       "_record_step_counters subtracts it"}))
+    previous = ts.ffill().shift(1)
+    backwards = processed[ts < previous]
+    parts.append(pd.DataFrame({
+        "field": "launch_ts", "step": backwards["processed_step"],
+        "launch": backwards["launch"],
+        "expected": [f">= {value:.6f}" for value in previous[backwards.index]],
+        "actual": [f"{value:.6f}" for value in ts[backwards.index]],
+        "explanation": "launch_ts went backwards between launches"}))
+    rows = pd.concat([p for p in parts if len(p)] or [pd.DataFrame(columns=["step"])])
+    rows["step"] = rows["step"].astype("int64")
+    note = f"{len(launches)} launches checked"
+    return result(3, loop, rows, note)

@@ -1,0 +1,73 @@
+"""The fast tier: the checker, the report and the status table on committed frame
+fixtures (``tests/fixtures``: real runs saved with ``Frames.save`` by
+``scripts/make-fixtures``). Pure pandas, no Scheduler: ``pytest -m fast``.
+
+The expectations are the measured facts the real-loop tests assert on fresh runs
+(``tests/test_contract.py``, ``tests/test_extensions.py``); here they pin the checker
+against frames that do not change under it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from contract_lib import Frames
+from contract_lib.contract import (HOLDS, MASKED, NOT_EXERCISED, VIOLATED,
+                                   ContractViolation, assert_contract, check)
+from contract_lib.status import Status
+from contract_lib.verdict import Outcome
+
+pytestmark = pytest.mark.fast
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def fixture(name: str) -> Frames:
+    return Frames.load(FIXTURES / f"{name}.json")
+
+
+def _statuses(name: str, clauses: str = "all") -> dict[int, str]:
+    return {n: r.status for n, r in check(fixture(name), clauses).clauses.items()}
+
+
+def test_the_torch_loops_hold_the_rfc_clauses():
+    assert _statuses("single-decode.normal", "rfc") == {
+        1: HOLDS, 2: HOLDS, 3: HOLDS, 4: HOLDS, 5: NOT_EXERCISED}
+    assert _statuses("single-decode.overlap", "rfc") == {
+        1: HOLDS, 2: HOLDS, 3: HOLDS, 4: HOLDS, 5: HOLDS}
+
+
+def test_the_mlx_loop_violates_slots_counters_and_masks_the_idle_predicate():
+    statuses = _statuses("two-turn.mlx")
+    assert statuses[1] == VIOLATED and statuses[2] == VIOLATED and statuses[5] == MASKED
+    assert statuses[3] == HOLDS and statuses[4] == HOLDS
+
+
+def test_breaking_patches_violate_their_clause():
+    assert _statuses("two-turn.overlap.skip-relay-publish")[4] == VIOLATED
+    assert _statuses("single-decode.mlx.no-forward-ct")[3] == VIOLATED
+    assert _statuses("single-decode.mlx")[3] == HOLDS
+
+
+def test_the_extensions_find_the_sglang_wide_clock_bug_on_the_torch_loops():
+    report = check(fixture("single-decode.normal"))
+    assert report.clauses[6].status == VIOLATED
+    status = Status({("single-decode", "normal"): report})
+    assert status.table().loc["6 scheduling clocks advanced", "normal"].startswith(
+        "sglang-wide bug")
+    assert status.reference_violations().empty
+
+
+def test_assert_contract_names_the_lowest_violated_clause():
+    with pytest.raises(ContractViolation, match=r"^clause 4 \(relays published"):
+        assert_contract(fixture("two-turn.overlap.skip-relay-publish"), "rfc")
+    assert assert_contract(fixture("single-decode.overlap"), "rfc").verdict().outcome == (
+        Outcome.PASS)
+
+
+def test_the_status_table_has_one_column_per_loop_in_registry_order():
+    reports = {("single-decode", loop): check(fixture(f"single-decode.{loop}"))
+               for loop in ("mlx", "normal", "overlap")}
+    assert list(Status(reports).table().columns) == ["normal", "overlap", "mlx"]

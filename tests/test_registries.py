@@ -1,0 +1,122 @@
+"""Adding a loop or a clause is one registration: a toy loop variant reaches the harness,
+the child, the verdict and the status table through :mod:`contract_lib.loops` alone; a
+toy clause reaches the report, ``assert_contract`` and the status table through the
+clause registry (:mod:`contract_lib.contract.registry`) alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import contract_lib
+from contract_lib import loops
+from contract_lib import contract
+from contract_lib.contract import HOLDS, NOT_EXERCISED, VIOLATED, check
+from contract_lib.contract.base import NotExercised, result
+from contract_lib.contract.report import evaluate
+from contract_lib.status import Status
+from contract_lib.verdict import Outcome
+
+TOY = "toy-normal"
+FIXTURES = Path(__file__).parent / "fixtures"
+TOY_CLAUSE = 8
+
+
+@pytest.fixture()
+def toy_loop():
+    """SGLang's normal loop registered again under another name, as a reference loop
+    that status does not run by default."""
+    loops.register(loops.LoopSpec(TOY, loops.REFERENCE, "event_loop_normal",
+                                  disable_overlap_schedule=True, default=False,
+                                  note="a toy variant of the normal loop"))
+    yield TOY
+    loops.unregister(TOY)
+
+
+@pytest.mark.real_loop
+def test_a_registered_loop_runs_and_shows_in_the_status_table(toy_loop):
+    frames = contract_lib.run("single-decode", toy_loop, cache=False)
+    assert frames.status == "finished"
+    assert frames.meta["loop_function"] == "event_loop_normal"
+    report = check(frames)
+    assert report.verdict().outcome == Outcome.PASS
+    status = Status({("single-decode", toy_loop): report})
+    assert list(status.table().columns) == [toy_loop]
+    assert toy_loop in status.text().splitlines()[0]
+    assert toy_loop not in contract_lib.status.default_loops()
+
+
+@pytest.mark.real_loop
+def test_a_registered_loops_function_is_what_the_run_must_enter(toy_loop):
+    """The toy loop declares the overlap loop's function but the normal loop's flag: the
+    run is refused at loop entry, naming both (the registry is the only source)."""
+    loops.register(loops.LoopSpec(toy_loop, loops.REFERENCE, "event_loop_overlap",
+                                  disable_overlap_schedule=True, default=False))
+    frames = contract_lib.run("single-decode", toy_loop, cache=False)
+    assert frames.status == "crashed"
+    assert frames.error["type"] == "LoopMismatch"
+    assert "asked for event_loop_overlap" in frames.error["message"]
+
+
+@pytest.mark.fast
+def test_an_unregistered_loop_is_a_setup_error():
+    with pytest.raises(contract_lib.RunSetupError, match="unknown loop 'toy-normal'"):
+        contract_lib.run("single-decode", TOY)
+
+
+# -- a toy clause ----------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def toy_clause():
+    """Clause 8, "steps numbered": step boundaries are numbered 0, 1, 2... with no gap
+    (a toy: every real run holds it; a frame with a step removed violates it)."""
+
+    def no_steps(frames):
+        return "no step boundary was recorded" if frames.steps.empty else None
+
+    @contract.clause(TOY_CLAUSE, "steps numbered", fields=("step",),
+                     origin=contract.EXTENSIONS, unexercised=no_steps)
+    def check_numbered(frames):
+        steps = frames.steps["step"].astype("int64").reset_index(drop=True)
+        if len(steps) < 2:
+            raise NotExercised("a single step boundary")
+        gaps = steps[steps.diff().fillna(1) != 1]
+        rows = [{"field": "step", "step": int(s), "expected": "the previous step + 1",
+                 "actual": str(s), "explanation": "a step boundary went unrecorded"}
+                for s in gaps]
+        return result(TOY_CLAUSE, frames.loop, rows, f"{len(steps)} step numbers checked")
+
+    yield TOY_CLAUSE
+    contract.unregister(TOY_CLAUSE)
+
+
+@pytest.mark.fast
+def test_a_registered_clause_is_in_the_report_and_the_status_table(toy_clause):
+    frames = contract_lib.Frames.load(FIXTURES / "single-decode.overlap.json")
+    report = check(frames)
+    assert report.clauses[toy_clause].status == HOLDS
+    assert toy_clause not in check(frames, "rfc").clauses  # an extension, not the RFC's
+    assert "8 steps numbered" in report.text()
+    assert report.table().set_index("clause").loc[toy_clause, "origin"] == contract.EXTENSIONS
+    status = Status({("single-decode", "overlap"): report})
+    assert status.table().loc["8 steps numbered", "overlap"] == "holds (1/1)"
+
+
+@pytest.mark.fast
+def test_a_registered_clause_can_fail_and_be_not_exercised(toy_clause):
+    frames = contract_lib.Frames.load(FIXTURES / "single-decode.overlap.json")
+    gap = frames.steps["step"].iloc[3]
+    frames.tables["steps"] = frames.steps[frames.steps["step"] != gap].reset_index(drop=True)
+    violated = check(frames).clauses[toy_clause]
+    assert violated.status == VIOLATED
+    assert contract.violation_message(violated.first()).startswith(
+        "clause 8 (steps numbered): field step at step ")
+    frames.tables["steps"] = frames.steps.iloc[:1]  # the check's own reason
+    single = check(frames).clauses[toy_clause]
+    assert (single.status, single.note) == (NOT_EXERCISED, "a single step boundary")
+    frames.tables["steps"] = frames.steps.iloc[:0]  # the declared condition (before the check)
+    empty = evaluate(toy_clause, contract.REGISTRY[toy_clause].check, frames)
+    assert (empty.status, empty.note) == (NOT_EXERCISED, "no step boundary was recorded")
+
