@@ -22,24 +22,22 @@ import dataclasses
 import json
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from contract_lib import cache as frame_cache
 from contract_lib import loops
-from contract_lib.frames import Frames, run_title
 from contract_lib.child import user_server_args
+from contract_lib.frames import Frames, run_title
 from contract_lib.paths import MODEL_DIR
 from contract_lib.patches import PatchArg, patch_spec
 from contract_lib.pool import POOL, child_env
-from contract_lib.protocol import RunSetupError, interrupted_error
+from contract_lib.protocol import RunSetupError, collect, frames_of, interrupted_error
 from contract_lib.serverargs import problems
 from contract_lib.versions import require_supported_sglang, sglang_path
 from contract_lib.workloads import Workload, load_workload
@@ -61,14 +59,6 @@ EXTRA_PATCH_ENV = "CONTRACT_LIB_EXTRA_PATCH"
 
 # Seconds without any message from the child before the run is declared hung.
 DEFAULT_HANG_TIMEOUT_S = 300.0
-
-
-# The log of a run is read back only as its last ``LOG_TAIL_BYTES`` (a child may print
-# gigabytes); the tail shown in an error is at most ``LOG_TAIL_LINES`` lines of that.
-LOG_TAIL_BYTES = 64 * 1024
-LOG_TAIL_LINES = 40
-# Seconds between checks for a cancel (or a hang) while waiting for the child.
-_POLL_S = 0.25
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -280,11 +270,11 @@ def _execute(spec: dict[str, Any], meta: dict[str, Any], hang_timeout: float,
                                        cancel)
             finally:
                 os.close(write_fd)
-            return _collect(receiver, child, meta, hang_timeout, log.fileno(), cancel)
+            return collect(receiver, child, meta, hang_timeout, log.fileno(), cancel)
         except KeyboardInterrupt:
             if child is not None:
                 raise
-            return _frames({}, meta, "interrupted", interrupted_error("setup"))
+            return frames_of({}, meta, "interrupted", interrupted_error("setup"))
         finally:
             receiver.close()
             if child is not None and child.returncode is None:
@@ -328,112 +318,3 @@ def _start(spec: dict[str, Any], write_fd: int, log_fd: int, warm: bool,
         child.wait()
         raise
     return None, child
-
-
-def _collect(receiver: Connection, child, meta: dict[str, Any], hang_timeout: float,
-             log_fd: int, cancel: threading.Event | None = None) -> Frames:
-    """Read the child's messages until it ends; turn them and its fate into Frames.
-    A KeyboardInterrupt here (Ctrl-C, a notebook interrupt) or a set ``cancel`` kills
-    the child: the frames are then those captured so far, status ``interrupted``."""
-    rows: dict[str, list[dict[str, Any]]] = {}
-    index: dict[tuple[str, Any], dict[str, Any]] = {}
-    end: tuple | None = None
-    last_message = time.monotonic()
-    hung = interrupted = False
-    try:
-        while True:
-            if cancel is not None and cancel.is_set():
-                raise KeyboardInterrupt("cancelled")
-            if receiver.poll(_POLL_S):
-                try:
-                    message = receiver.recv()
-                except EOFError:
-                    break
-                last_message = time.monotonic()
-                kind = message[0]
-                if kind == "row":
-                    _, table, row = message
-                    rows.setdefault(table, []).append(row)
-                    if table == "launches":
-                        index[(table, row["launch"])] = row
-                elif kind == "rows":
-                    for table, row in message[1]:
-                        rows.setdefault(table, []).append(row)
-                    rows.setdefault("slots", []).extend(_slot_rows(message[2]))
-                elif kind == "update":
-                    _, table, _key, value, fields = message
-                    index[(table, value)].update(fields)
-                elif kind == "meta":
-                    meta.update(message[1])
-                elif kind == "end":
-                    end = message
-            elif child.poll() is not None:
-                break
-            elif time.monotonic() - last_message > hang_timeout:
-                hung = True
-                break
-    except KeyboardInterrupt:
-        interrupted = True
-    if hung or interrupted:
-        child.kill()
-    child.wait(timeout=30)
-    log_tail = _tail(log_fd)
-    phase = "loop" if rows.get("steps") else "setup"
-
-    if interrupted:
-        status, error = "interrupted", interrupted_error(phase)
-    elif end is not None:
-        _, status, error = end
-    elif hung:
-        status, error = "timeout", {
-            "type": "Hang", "phase": "loop",
-            "message": f"no frame from the child for {hang_timeout:.0f} s; killed it",
-            "traceback": None, "signal": None, "log_tail": log_tail}
-    elif getattr(child, "server_lost", False):
-        status, error = "died", {
-            "type": "ForkServerDied", "phase": phase,
-            "message": "the warm fork server died during the run, so the run's exit status "
-                       "is unknown; its process was killed (rerun, or use warm=False)",
-            "traceback": None, "signal": None, "exit_code": None, "log_tail": log_tail}
-    else:
-        code = child.returncode
-        signame = signal.Signals(-code).name if code is not None and code < 0 else None
-        status, error = "died", {
-            "type": "ChildDied", "phase": phase,
-            "message": (f"the child process died with {signame}" if signame
-                        else f"the child process exited with code {code}"),
-            "traceback": None, "signal": signame, "exit_code": code, "log_tail": log_tail}
-    if error is not None and "log_tail" not in error:
-        error["log_tail"] = log_tail
-    return _frames(rows, meta, status, error)
-
-
-def _frames(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any], status: str,
-            error: dict[str, Any] | None) -> Frames:
-    meta.update({"status": status, "error": error, "steps": len(rows.get("steps", []))})
-    return Frames.from_rows(rows, meta)
-
-
-def _slot_rows(per_request: list[tuple]) -> list[dict[str, Any]]:
-    """Expand the column-wise slot message into one row per (step, request, position)."""
-    return [
-        {"step": step, "rid": rid, "req_pool_idx": row, "position": position,
-         "slot": slot, "slot_free": free, "written": written}
-        for step, rid, row, slots, frees, writtens in per_request
-        for position, (slot, free, written) in enumerate(zip(slots, frees, writtens))
-    ]
-
-
-def _tail(log_fd: int) -> str:
-    """The last :data:`LOG_TAIL_LINES` lines of the log, reading at most its last
-    :data:`LOG_TAIL_BYTES` (a partial first line dropped)."""
-    try:
-        size = os.fstat(log_fd).st_size
-        start = max(0, size - LOG_TAIL_BYTES)
-        data = os.pread(log_fd, size - start, start)
-    except OSError:
-        return ""
-    lines = data.decode(errors="replace").splitlines()
-    if start > 0 and lines:
-        lines = lines[1:]
-    return "\n".join(lines[-LOG_TAIL_LINES:])

@@ -10,13 +10,20 @@ Messages (tuples on a one-way pipe, child -> parent), in the order a run sends t
 
 An ``error`` is a dict: ``type``, ``phase`` (``setup``, ``loop``...), ``message``,
 ``traceback``, ``signal`` (and, added by the parent, ``log_tail``).
-Bottom floor: imports nothing from the package.
+The parent collects them with :func:`collect` into :class:`~contract_lib.frames.Frames`.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
 import traceback
+from multiprocessing.connection import Connection
 from typing import Any
+
+from contract_lib.frames import Frames
 
 META, ROW, UPDATE, ROWS, END = "meta", "row", "update", "rows", "end"
 
@@ -49,3 +56,120 @@ def interrupted_error(phase: str) -> dict[str, Any]:
             "message": "interrupted (Ctrl-C, a kernel interrupt or a cancelled batch); "
                        "the child was killed, the frames are those captured until then",
             "traceback": None, "signal": None}
+
+
+# The log of a run is read back only as its last ``LOG_TAIL_BYTES`` (a child may print
+# gigabytes); the tail shown in an error is at most ``LOG_TAIL_LINES`` lines of that.
+LOG_TAIL_BYTES = 64 * 1024
+LOG_TAIL_LINES = 40
+# Seconds between checks for a cancel (or a hang) while waiting for the child.
+_POLL_S = 0.25
+
+
+def collect(receiver: Connection, child, meta: dict[str, Any], hang_timeout: float,
+             log_fd: int, cancel: threading.Event | None = None) -> Frames:
+    """Read the child's messages until it ends; turn them and its fate into Frames.
+    A KeyboardInterrupt here (Ctrl-C, a notebook interrupt) or a set ``cancel`` kills
+    the child: the frames are then those captured so far, status ``interrupted``."""
+    rows: dict[str, list[dict[str, Any]]] = {}
+    index: dict[tuple[str, Any], dict[str, Any]] = {}
+    end: tuple | None = None
+    last_message = time.monotonic()
+    hung = interrupted = False
+    try:
+        while True:
+            if cancel is not None and cancel.is_set():
+                raise KeyboardInterrupt("cancelled")
+            if receiver.poll(_POLL_S):
+                try:
+                    message = receiver.recv()
+                except EOFError:
+                    break
+                last_message = time.monotonic()
+                kind = message[0]
+                if kind == ROW:
+                    _, table, row = message
+                    rows.setdefault(table, []).append(row)
+                    if table == "launches":
+                        index[(table, row["launch"])] = row
+                elif kind == ROWS:
+                    for table, row in message[1]:
+                        rows.setdefault(table, []).append(row)
+                    rows.setdefault("slots", []).extend(slot_rows(message[2]))
+                elif kind == UPDATE:
+                    _, table, _key, value, fields = message
+                    index[(table, value)].update(fields)
+                elif kind == META:
+                    meta.update(message[1])
+                elif kind == END:
+                    end = message
+            elif child.poll() is not None:
+                break
+            elif time.monotonic() - last_message > hang_timeout:
+                hung = True
+                break
+    except KeyboardInterrupt:
+        interrupted = True
+    if hung or interrupted:
+        child.kill()
+    child.wait(timeout=30)
+    tail = log_tail(log_fd)
+    phase = "loop" if rows.get("steps") else "setup"
+
+    if interrupted:
+        status, error = "interrupted", interrupted_error(phase)
+    elif end is not None:
+        _, status, error = end
+    elif hung:
+        status, error = "timeout", {
+            "type": "Hang", "phase": "loop",
+            "message": f"no frame from the child for {hang_timeout:.0f} s; killed it",
+            "traceback": None, "signal": None, "log_tail": tail}
+    elif getattr(child, "server_lost", False):
+        status, error = "died", {
+            "type": "ForkServerDied", "phase": phase,
+            "message": "the warm fork server died during the run, so the run's exit status "
+                       "is unknown; its process was killed (rerun, or use warm=False)",
+            "traceback": None, "signal": None, "exit_code": None, "log_tail": tail}
+    else:
+        code = child.returncode
+        signame = signal.Signals(-code).name if code is not None and code < 0 else None
+        status, error = "died", {
+            "type": "ChildDied", "phase": phase,
+            "message": (f"the child process died with {signame}" if signame
+                        else f"the child process exited with code {code}"),
+            "traceback": None, "signal": signame, "exit_code": code, "log_tail": tail}
+    if error is not None and "log_tail" not in error:
+        error["log_tail"] = tail
+    return frames_of(rows, meta, status, error)
+
+
+def frames_of(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any], status: str,
+            error: dict[str, Any] | None) -> Frames:
+    meta.update({"status": status, "error": error, "steps": len(rows.get("steps", []))})
+    return Frames.from_rows(rows, meta)
+
+
+def slot_rows(per_request: list[tuple]) -> list[dict[str, Any]]:
+    """Expand the column-wise slot message into one row per (step, request, position)."""
+    return [
+        {"step": step, "rid": rid, "req_pool_idx": row, "position": position,
+         "slot": slot, "slot_free": free, "written": written}
+        for step, rid, row, slots, frees, writtens in per_request
+        for position, (slot, free, written) in enumerate(zip(slots, frees, writtens))
+    ]
+
+
+def log_tail(log_fd: int) -> str:
+    """The last :data:`LOG_TAIL_LINES` lines of the log, reading at most its last
+    :data:`LOG_TAIL_BYTES` (a partial first line dropped)."""
+    try:
+        size = os.fstat(log_fd).st_size
+        start = max(0, size - LOG_TAIL_BYTES)
+        data = os.pread(log_fd, size - start, start)
+    except OSError:
+        return ""
+    lines = data.decode(errors="replace").splitlines()
+    if start > 0 and lines:
+        lines = lines[1:]
+    return "\n".join(lines[-LOG_TAIL_LINES:])

@@ -219,7 +219,7 @@ def test_keyboard_interrupt_in_the_parent_kills_the_run_child():
 
 
 def test_an_error_in_the_parent_while_collecting_kills_the_run_child(monkeypatch):
-    from contract_lib import harness
+    from contract_lib import protocol
 
     runs: list[int] = []
 
@@ -227,7 +227,7 @@ def test_an_error_in_the_parent_while_collecting_kills_the_run_child(monkeypatch
         runs.extend(p.pid for p in _run_children(os.getpid()))
         raise RuntimeError("a bug in the parent")
 
-    monkeypatch.setattr(harness, "_slot_rows", broken_slot_rows)
+    monkeypatch.setattr(protocol, "slot_rows", broken_slot_rows)
     with pytest.raises(RuntimeError, match="a bug in the parent"):
         contract_lib.run("two-turn", "normal", patch=HANG, cache=False)
     assert runs
