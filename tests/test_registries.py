@@ -120,3 +120,16 @@ def test_a_registered_clause_can_fail_and_be_not_exercised(toy_clause):
     empty = evaluate(toy_clause, contract.REGISTRY[toy_clause].check, frames)
     assert (empty.status, empty.note) == (NOT_EXERCISED, "no step boundary was recorded")
 
+
+
+# -- the cache key covers every module --------------------------------------------------------
+
+
+@pytest.mark.fast
+def test_every_module_of_the_package_is_in_the_cache_key():
+    """A module added to the package (a new clause, loop family or frame table recorder)
+    changes the frame cache's key without being listed anywhere."""
+    from contract_lib import cache
+
+    package = Path(contract_lib.__file__).resolve().parent
+    assert set(package.rglob("*.py")) <= {p.resolve() for p in cache.LIBRARY_FILES}
