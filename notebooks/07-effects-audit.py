@@ -23,24 +23,20 @@
 
 # %%
 # %matplotlib inline
-import warnings
-
-# Deprecation notices differ between library versions and nbval compares stderr.
-for category in (DeprecationWarning, FutureWarning):
-    warnings.simplefilter("ignore", category)
-
-from contract_lib import plots
+from contract_lib import views
 from contract_lib.audit import audit
+
+views.setup()
 
 # %% [markdown]
 # ## The findings on `two-turn`, SGLang 0.5.23
 
 # %%
 result = audit("two-turn", progress=False)
-print(plots.text_table(plots.audit_table(result)))
+print(views.text_table(views.audit_table(result)))
 
 # %%
-plots.audit_cadences(result)
+views.audit_cadences(result)
 
 # %% [markdown]
 # Eight of the ten findings are fields the clauses already check. The allocation and

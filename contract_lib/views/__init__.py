@@ -16,16 +16,18 @@ for two runs of the same input.
 - :mod:`.tables`: clause table, frames around a step, crash summary, bug cards;
 - :mod:`.triage`: where to look first, one step of one request, the clause's own view;
 - :mod:`.audit`: the effects audit; :mod:`.kvpool`: the real MLX runner's KV pool;
-- :mod:`.notebook`: the set-up cell and the verdict line of every notebook.
+- :mod:`.compare`: a run beside its references (clause statuses, verdicts, tokens);
+- :mod:`.notebook`: the set-up cell, the verdict line, a parameterised notebook's run.
 """
 
 from contract_lib.views.audit import audit_cadences, audit_table, uncovered_text
+from contract_lib.views.compare import clause_comparison, later_turns
 from contract_lib.views.counters import counter_drift, radix_reuse, radix_reuse_table
 from contract_lib.views.idle import idle_predicate
 from contract_lib.views.kvpool import (damage_summary, damage_table, kv_pool_verdicts,
                                        kv_writes, same_tables, token_table)
 from contract_lib.views.launches import launch_kinds, launch_timeline
-from contract_lib.views.notebook import md, setup, verdict_line
+from contract_lib.views.notebook import Stop, checked_run, md, setup, verdict_line
 from contract_lib.views.relay import relay_events
 from contract_lib.views.slots import SLOT_COLOURS, slot_grid, slot_rows
 from contract_lib.views.stamps import stamps_table, step_stamps
@@ -36,10 +38,10 @@ from contract_lib.views.triage import (clause_view, first_violation, step_explor
                                        step_figure, step_snapshot, triage_focus)
 
 __all__ = [
-    "SLOT_COLOURS", "audit_cadences", "audit_table", "bug_card", "clause_view",
+    "SLOT_COLOURS", "Stop", "audit_cadences", "checked_run", "clause_comparison", "audit_table", "bug_card", "clause_view",
     "counter_drift", "crash_summary", "damage_summary", "damage_table", "first_violation",
     "frames_around", "idle_predicate", "kv_pool_verdicts", "kv_writes", "launch_kinds",
-    "launch_timeline", "md", "panels", "radix_reuse", "radix_reuse_table", "relay_events",
+    "later_turns", "launch_timeline", "md", "panels", "radix_reuse", "radix_reuse_table", "relay_events",
     "report_table", "run_label", "same_tables", "setup", "slot_grid", "slot_rows",
     "stamps_table", "step_explorer", "step_figure", "step_snapshot", "step_stamps",
     "text_table", "token_table", "triage_focus", "uncovered_text", "verdict_line", "wrap",

@@ -60,10 +60,11 @@ def labels_for(runs: Sequence[Frames], labels: Sequence[str] | None) -> list[str
 
 
 def wrap(text: str, width: int = 100, indent: str = "  ") -> str:
-    """A long message line wrapped for a notebook's text output (continuations
-    indented)."""
-    return "\n".join(textwrap.wrap(text, width, subsequent_indent=indent,
-                                   break_on_hyphens=False) or [""])
+    """Each line of ``text`` wrapped at ``width`` for a notebook's text output
+    (continuations indented)."""
+    return "\n".join("\n".join(textwrap.wrap(line, width, subsequent_indent=indent,
+                                             break_on_hyphens=False) or [""])
+                     for line in text.splitlines() or [""])
 
 
 def figure(n_panels: int, *, panel_width: float = 5.2, height: float = 4.2,

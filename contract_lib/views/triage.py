@@ -14,7 +14,7 @@ from contract_lib.frames import Frames
 from contract_lib.views.counters import COUNTER_STYLES
 from contract_lib.views.slots import SLOT_COLOURS, slot_rows
 from contract_lib.views.style import (GREY, int_ticks, post_steps, request_rows,
-    run_label, titles)
+    run_label, titles, wrap)
 
 
 def first_violation(report: Report) -> dict[str, Any] | None:
@@ -87,7 +87,7 @@ def step_snapshot(frames: Frames, step: int, rid: str, report: Report | None = N
     rows = frames.requests[(frames.requests["step"] == step) & (frames.requests["rid"] == rid)]
     if rows.empty:
         lines.append(f"request {rid}: not known to the scheduler yet")
-        return "\n".join(lines)
+        return wrap("\n".join(lines))
     r = rows.iloc[0]
 
     def num(value):
@@ -114,7 +114,7 @@ def step_snapshot(frames: Frames, step: int, rid: str, report: Report | None = N
         for clause, group in hits.groupby("clause", sort=True):
             more = f" (+{len(group) - 1} more)" if len(group) > 1 else ""
             lines.append(violation_message(group.iloc[0].to_dict()) + more)
-    return "\n".join(lines)
+    return wrap("\n".join(lines))
 
 
 def step_figure(frames: Frames, step: int, rid: str) -> Figure:
