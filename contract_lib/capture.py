@@ -17,6 +17,8 @@ records, and calls the original:
   ``alloc_for_decode``, the radix caches' ``cache_unfinished_req``); every entry written
   is attributed to the request holding that row at write time, so a ``slots`` entry
   left by a row's previous holder shows as not ``written``.
+- :class:`BackendStateRecorder` wraps nothing: at each step boundary it reads the
+  backend's per-request dicts and sets (table ``backend_state``, clause 7).
 
 On sglang-omni's ``OmniScheduler`` (loop ``omni``, :mod:`contract_lib.omni`) the step
 boundary is ``recv_requests`` (the first call of its loop iteration after the admin
@@ -63,6 +65,23 @@ def _tolist(tensor) -> list:
     return [] if tensor is None else tensor.tolist()
 
 
+def _prefill_lanes(batch) -> list[int]:
+    """Indices into ``batch.reqs`` of its prefill/extend lanes: every request of an
+    extend or mixed batch except its decode lanes (``decoding_reqs``); none of a decode
+    batch."""
+    if batch is None or batch.is_empty() or not batch.forward_mode.is_extend():
+        return []
+    decoding = {id(req) for req in (batch.decoding_reqs or ())}
+    return [i for i, req in enumerate(batch.reqs) if id(req) not in decoding]
+
+
+def _prefilled_tokens(batch) -> int:
+    """Tokens a launch prefills (clause 6): its prefill lanes' ``extend_lens``; a decode
+    lane of a mixed batch, a decode or a chained launch (``batch`` None) prefill none."""
+    lanes = _prefill_lanes(batch)
+    return int(sum(batch.extend_lens[i] for i in lanes))
+
+
 class Recorder:
     """Records frames of one run and streams them through ``emit`` as they are taken.
 
@@ -97,6 +116,10 @@ class Recorder:
         self.written_by: np.ndarray | None = None
         self._checker = None
         self.resolving: int | None = None  # omni: the launch being resolved
+        # Per request: kv_computed at the end of its last prefill/extend lane (clause 2's
+        # decode_batch_idx counts the decode launches since).
+        self.kv_prefilled: dict[str, int] = {}
+        self.backend = None
 
     # -- installation -------------------------------------------------------------------
 
@@ -142,6 +165,7 @@ class Recorder:
             self.effects.install(s)
         if self.loop == "mlx":
             self._install_mlx_launch_hooks()
+        self.backend = BackendStateRecorder(self.s)
 
     def _install_omni_resolve_hook(self) -> None:
         """Pair each lookahead launch with its resolve (``resolve_and_process``), in
@@ -258,7 +282,8 @@ class Recorder:
 
     # -- launches -------------------------------------------------------------------------
 
-    def _record_launch(self, *, forward_iter, launch_ts, mode, chained, rids) -> None:
+    def _record_launch(self, *, forward_iter, launch_ts, mode, chained, rids,
+                       prefilled_tokens: int = 0) -> None:
         self.launch_ct += 1
         self.unprocessed.append(self.launch_ct)
         self.emit(("row", "launches", {
@@ -267,6 +292,7 @@ class Recorder:
             "launch_ts": launch_ts, "mode": mode, "chained": chained,
             "rids": ",".join(rids), "processed_step": None,
             "processed_forward_iter": None, "processed_launch_ts": None,
+            "prefilled_tokens": prefilled_tokens,
         }))
 
     def on_torch_launch(self, batch, tokens: list[int]) -> None:
@@ -277,13 +303,17 @@ class Recorder:
         for rid, seq_len, token in zip(rids, batch.seq_lens.tolist(), tokens):
             self.kv_computed[rid] = int(seq_len)
             self.latest_token[rid] = int(token)
+        for lane in _prefill_lanes(batch):
+            self.kv_prefilled[rids[lane]] = self.kv_computed[rids[lane]]
         self._record_launch(forward_iter=batch.forward_iter, launch_ts=batch.launch_ts,
-                            mode=_mode_name(batch), chained=False, rids=rids)
+                            mode=_mode_name(batch), chained=False, rids=rids,
+                            prefilled_tokens=_prefilled_tokens(batch))
 
     def on_mlx_launch(self, launch, batch, *, chained: bool) -> None:
         rids = []
         for pending in (*launch.prefills, *launch.extends):
             self.kv_computed[pending.req_id] = int(pending.cache[0].offset)
+            self.kv_prefilled[pending.req_id] = self.kv_computed[pending.req_id]
             rids.append(pending.req_id)
         if launch.decode is not None:
             for rid, cache in zip(launch.decode.req_ids, launch.decode.caches):
@@ -295,7 +325,8 @@ class Recorder:
         else:
             forward_iter, launch_ts, mode = None, None, "decode"
         self._record_launch(forward_iter=forward_iter, launch_ts=launch_ts, mode=mode,
-                            chained=chained, rids=rids)
+                            chained=chained, rids=rids,
+                            prefilled_tokens=_prefilled_tokens(batch))
 
     def on_processed(self, batch, result) -> None:
         if self.resolving is not None:
@@ -443,6 +474,7 @@ class Recorder:
             "running_mode": _mode_name(running), "last_batch_mode": _mode_name(last),
             "waiting_len": len(s.waiting_queue), **self._pool_terms(),
             "wall_time": time.monotonic(),
+            "processed_tokens_counter": getattr(s, "processed_tokens_counter", None),
         }))
         free = self._free_slots()
         rtt = s.req_to_token_pool.req_to_token
@@ -462,6 +494,8 @@ class Recorder:
                 "cached_tokens": req.cached_tokens,
                 "finish_reason": reason.get("type"), "finish_message": reason.get("message"),
                 "retractions": req.retraction_count,
+                "decode_batch_idx": getattr(req, "decode_batch_idx", None),
+                "kv_prefilled": self.kv_prefilled.get(rid),
             }))
             if row is None or req.finished():
                 continue
@@ -470,6 +504,7 @@ class Recorder:
             written = (self.written_by[row, :width] == index).tolist()
             slot_rows.append((step, rid, row, entries.tolist(), free[entries].tolist(),
                               written))
+        rows += [("backend_state", row) for row in self.backend.rows(step, self.reqs)]
         # One message: the step's frame, taken together (slots column-wise, expanded by
         # the parent into one row per position).
         self.emit(("rows", rows, slot_rows))
@@ -553,6 +588,52 @@ class Recorder:
         for rid, req in self.reqs.items():
             for index, token in enumerate(req.output_ids):
                 self.emit(("row", "outputs", {"rid": rid, "index": index, "token": int(token)}))
+
+
+class BackendStateRecorder:
+    """Records the backend's per-request structures at every step boundary.
+
+    The backend is the scheduler's ``tp_worker`` and every ``*runner`` object it holds
+    (MLX: ``MlxTpModelWorker``, its ``MlxModelRunner`` and the bookkeeping stub; torch:
+    ``TpModelWorker`` and its runner). A structure is per-request when it is a dict or set
+    attribute of one of them that has ever been keyed by a request id the scheduler knows;
+    from then on every string key it holds is recorded, known or not. No names are
+    assumed, so a release or a replacement loop that renames them is still covered.
+    """
+
+    def __init__(self, scheduler) -> None:
+        self.s = scheduler
+        self.per_request: set[str] = set()  # "object.attribute" found keyed by request ids
+
+    def _objects(self) -> dict[str, Any]:
+        worker = getattr(self.s, "tp_worker", None)
+        if worker is None:
+            return {}
+        objects = {"tp_worker": worker}
+        for name, value in vars(worker).items():
+            if name.endswith("runner") and value is not None and hasattr(value, "__dict__"):
+                objects[f"tp_worker.{name}"] = value
+        return objects
+
+    def rows(self, step: int, reqs: dict[str, Any]) -> list[dict[str, Any]]:
+        """``(step, rid, structure, row)`` per request key held, in a stable order."""
+        rows = []
+        for owner, obj in self._objects().items():
+            for name, value in sorted(vars(obj).items()):
+                if not isinstance(value, (dict, set, frozenset)):
+                    continue
+                structure = f"{owner}.{name}"
+                keys = [k for k in value if isinstance(k, str)]
+                if structure not in self.per_request:
+                    if not any(k in reqs for k in keys):
+                        continue
+                    self.per_request.add(structure)
+                maps_row = isinstance(value, dict) and "pool_idx" in name
+                for key in sorted(keys):
+                    row = value[key] if maps_row else None
+                    rows.append({"step": step, "rid": key, "structure": structure,
+                                 "row": int(row) if isinstance(row, int) else None})
+        return rows
 
 
 class _ReadThrough:
