@@ -165,7 +165,7 @@ def test_model_free_runs_keep_the_kv_tables_empty(run_cached):
 def test_kv_figures_and_token_table(two_turn, reference):
     import matplotlib
 
-    from contract_lib import plots
+    from contract_lib import views as plots
 
     matplotlib.use("Agg")
     runs = (two_turn["unclamped"], two_turn["shipped"], two_turn["fixed"])

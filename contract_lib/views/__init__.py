@@ -15,6 +15,7 @@ for two runs of the same input.
 - :mod:`.stamps`: clause 3; :mod:`.relay`: clause 4; :mod:`.idle`: clause 5;
 - :mod:`.tables`: clause table, frames around a step, crash summary, bug cards;
 - :mod:`.triage`: where to look first, one step of one request, the clause's own view;
+- :mod:`.extensions`: clauses 6 and 7, and clause 2 under memory pressure;
 - :mod:`.audit`: the effects audit; :mod:`.kvpool`: the real MLX runner's KV pool;
 - :mod:`.compare`: a run beside its references (clause statuses, verdicts, tokens);
 - :mod:`.notebook`: the set-up cell, the verdict line, a parameterised notebook's run.
@@ -23,6 +24,8 @@ for two runs of the same input.
 from contract_lib.views.audit import audit_cadences, audit_table, uncovered_text
 from contract_lib.views.compare import clause_comparison, later_turns
 from contract_lib.views.counters import counter_drift, radix_reuse, radix_reuse_table
+from contract_lib.views.extensions import (clock_table, memory_pressure, memory_table,
+                                           retired_lanes, scheduling_clock)
 from contract_lib.views.idle import idle_predicate
 from contract_lib.views.kvpool import (damage_summary, damage_table, kv_pool_verdicts,
                                        kv_writes, same_tables, token_table)
@@ -38,7 +41,8 @@ from contract_lib.views.triage import (clause_view, first_violation, step_explor
                                        step_figure, step_snapshot, triage_focus)
 
 __all__ = [
-    "SLOT_COLOURS", "Stop", "audit_cadences", "checked_run", "clause_comparison", "audit_table", "bug_card", "clause_view",
+    "SLOT_COLOURS", "Stop", "audit_cadences", "checked_run", "clause_comparison",
+    "clock_table", "memory_pressure", "memory_table", "retired_lanes", "scheduling_clock", "audit_table", "bug_card", "clause_view",
     "counter_drift", "crash_summary", "damage_summary", "damage_table", "first_violation",
     "frames_around", "idle_predicate", "kv_pool_verdicts", "kv_writes", "launch_kinds",
     "later_turns", "launch_timeline", "md", "panels", "radix_reuse", "radix_reuse_table", "relay_events",

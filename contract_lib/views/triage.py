@@ -196,8 +196,9 @@ def clause_view(frames: Frames, report: Report, *others: Frames,
     """The figure of the first violated clause's own subject, ``frames`` first and then
     ``others`` (e.g. the unpatched run, the torch loops) as further panels: the slot row
     (clause 1), the counters (2), the stamps (3), the relay events (4), the idle-predicate
-    lanes (5); None when no clause is violated."""
-    from contract_lib.views import counters, idle, relay, slots, stamps
+    lanes (5), the HRRN clock (6), the backend state lanes (7); None when no clause is
+    violated."""
+    from contract_lib.views import counters, extensions, idle, relay, slots, stamps
 
     first = first_violation(report)
     if first is None:
@@ -211,6 +212,8 @@ def clause_view(frames: Frames, report: Report, *others: Frames,
         3: lambda: stamps.step_stamps(*runs, labels=labels),
         4: lambda: relay.relay_events(*runs, labels=labels),
         5: lambda: idle.idle_predicate(*runs, labels=labels),
+        6: lambda: extensions.scheduling_clock(*runs, labels=labels),
+        7: lambda: extensions.retired_lanes(*runs, labels=labels),
     }
     if clause not in by_clause:
         return None
