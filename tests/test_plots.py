@@ -260,8 +260,9 @@ def test_verdict_line_of_a_crashed_run(run_cached):
     assert all(len(part) <= 100 for part in line.splitlines())
 
 
-def test_uncovered_findings_text():
+def test_findings_beyond_the_rfc_text():
     from contract_lib.audit import audit
 
-    text = views.uncovered_text(audit("two-turn", progress=False))
-    assert "Scheduler.processed_tokens_counter" in text and "clause 1" not in text
+    text = views.beyond_rfc_text(audit("two-turn", progress=False))
+    assert "Scheduler.processed_tokens_counter" in text and "Req.decode_batch_idx" in text
+    assert "req_to_token" not in text and "kv_committed_len" not in text

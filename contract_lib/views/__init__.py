@@ -21,7 +21,7 @@ for two runs of the same input.
 - :mod:`.notebook`: the set-up cell, the verdict line, a parameterised notebook's run.
 """
 
-from contract_lib.views.audit import audit_cadences, audit_table, uncovered_text
+from contract_lib.views.audit import audit_cadences, audit_table, beyond_rfc_text
 from contract_lib.views.compare import clause_comparison, later_turns
 from contract_lib.views.counters import counter_drift, radix_reuse, radix_reuse_table
 from contract_lib.views.extensions import (clock_table, memory_pressure, memory_table,
@@ -48,5 +48,5 @@ __all__ = [
     "later_turns", "launch_timeline", "md", "panels", "radix_reuse", "radix_reuse_table", "relay_events",
     "report_table", "run_label", "same_tables", "setup", "slot_grid", "slot_rows",
     "stamps_table", "step_explorer", "step_figure", "step_snapshot", "step_stamps",
-    "text_table", "token_table", "triage_focus", "uncovered_text", "verdict_line", "wrap",
+    "text_table", "token_table", "triage_focus", "beyond_rfc_text", "verdict_line", "wrap",
 ]
