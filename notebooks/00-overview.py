@@ -44,6 +44,13 @@
 # | 4 | **relays published or provably unread** | `future_map.output_tokens_buf` | `resolve_forward_inputs` | a mixed batch reads never-written memory (segfault on MPS) |
 # | 5 | **in-flight predicates test any overlap loop** | `result_queue` term of `is_fully_idle` | `release_memory_occupation`, `flush_cache`, health check | "idle" with a job in flight |
 #
+# This project adds two clauses and one field that the effects audit
+# ([07](07-effects-audit.ipynb)) found beyond the RFC, checked by default
+# (`contract_lib/extensions.py`; `check(frames, clauses="rfc")` checks the RFC's five only):
+# clause 2 also covers `Req.decode_batch_idx`; **6 scheduling clocks advanced**
+# (`processed_tokens_counter`, HRRN's clock); **7 request state retired** (the backend's
+# per-request structures let go of released requests).
+#
 # `docs/contract.md` gives the exact check for each clause. Each check compares the
 # scheduler's fields with a ground truth recorded at the model boundary. The main one is
 # `kv_computed`: how many positions of a request a launched forward has computed.
@@ -151,9 +158,10 @@ for frames in (overlap, mlx):
 # %% [markdown]
 # ## The measured clause × loop table for the installed SGLang
 #
-# Every shipped workload (`single-decode`, `two-turn`, `staggered`, `finish-mid-chain`,
-# `mixed-chunk`) runs through every loop and is checked. Each cell shows the worst status
-# over the five workloads, and how many workloads show it. `violated-masked` means the
+# Every shipped workload (`contract_lib.workload_names()`) runs through every loop and is
+# checked. Each cell shows the worst status over the workloads, and how many workloads
+# show it. `sglang-wide bug` marks a violation on the torch loops too that is a catalogued
+# SGLang bug (`data/bugs.toml`), not a torch-loop failure. `violated-masked` means the
 # reader got the right answer only because another term of the predicate did.
 # `not-exercised` means the run never reached what the clause is about (the `normal` loop
 # has nothing in flight).
@@ -163,7 +171,8 @@ measured = status(progress=False)
 print(measured.text())
 
 # %% [markdown]
-# On 0.5.23 the torch loops satisfy every clause, and so does clause 3 on MLX (fixed by
+# On 0.5.23 the torch loops satisfy every RFC clause (clause 6 is the SGLang-wide clock
+# bug on every loop, [07](07-effects-audit.ipynb)), and so does clause 3 on MLX (fixed by
 # #29217 and #32447). Clauses 1, 2 and 5 are open on MLX on every workload, and clause 4
 # is open on MLX wherever a mixed batch reads the relay (`mixed-chunk`). The assertion
 # below keeps that paragraph true:
