@@ -109,9 +109,9 @@ after_chain = decodes["chained"].shift(fill_value=False) & ~decodes["chained"]
 fresh = int(decodes.loc[after_chain, "step"].iloc[0])  # prepare_for_decode ran here
 look = fresh + 1
 before, at = (a[a["step"] == s].set_index("position") for s in (fresh, look))
-new = at[at["slot"] != before["slot"].reindex(at.index)]
+new = at[(at["slot"] != 0) & (at["slot"] != before["slot"].reindex(at.index))]
 zero = at.index[at["state"] == "slot 0"].tolist()
-committed = int(mlx.requests.query("rid == 'a' and step == @look")["kv_committed_len"].iloc[0])
+committed = int(mlx.requests.query("rid == 'a' and step == @fresh")["kv_committed_len"].iloc[0])
 finish = int(mlx.requests.query("rid == 'a' and finished")["step"].min())
 
 
@@ -127,8 +127,8 @@ views.md(
     f"At step {fresh} `prepare_for_decode` ran once, for that fresh decode. By step {look} "
     f"it had written **{len(new)}** slot(s) into `a`'s row: "
     + ", ".join(f"slot {int(r.slot)} at position {p}" for p, r in new.iterrows())
-    + f", at the position the counters pointed to (the committed bound, {committed}), not "
-    f"at the next position the forward would compute. At step {look} positions "
+    + f", at the position the counters pointed to (the committed bound at step {fresh} was "
+    f"{committed}), not at the next position the forward would compute. At step {look} positions "
     f"{', '.join(map(str, zero))} still hold slot 0. Later: "
     + "; ".join(fate(p) for p in zero) + ". A position the counters reach again is "
     "recorded late; the ones they skip stay at slot 0.")
