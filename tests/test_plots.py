@@ -266,3 +266,20 @@ def test_findings_beyond_the_rfc_text():
     text = views.beyond_rfc_text(audit("two-turn", progress=False))
     assert "Scheduler.processed_tokens_counter" in text and "Req.decode_batch_idx" in text
     assert "req_to_token" not in text and "kv_committed_len" not in text
+
+
+def test_memory_pressure_and_extension_views(run_cached):
+    runs = [run_cached("memory-pressure", "normal"), run_cached("memory-pressure", "mlx"),
+            run_cached("memory-pressure", "mlx", "fix-chained-accounting")]
+    torch, mlx, fixed = (views.memory_table(f) for f in runs)
+    assert torch["retractions"].iloc[-1] > 0 and mlx["retractions"].iloc[-1] == 0
+    assert fixed["retractions"].iloc[-1] == torch["retractions"].iloc[-1]
+    assert (mlx["computed"] > mlx["pool"]).any() and (torch["computed"] <= torch["pool"]).all()
+    assert_readable(views.memory_pressure(*runs), 3)
+    clock = views.clock_table(runs[1])
+    assert (clock["processed_tokens_counter"] == 0).all() and clock["prefilled"].sum() > 0
+    assert_readable(views.scheduling_clock(*runs), 3)
+    fig = views.retired_lanes(*runs)
+    assert_readable(fig, 3)
+    bad = len(check(runs[1]).clauses[7].violations)
+    assert f"{bad} violations" in fig.axes[1].get_title() and bad > 0
