@@ -172,9 +172,9 @@ pressure = [contract_lib.run("memory-pressure", "normal"),
             contract_lib.run("memory-pressure", "mlx"),
             contract_lib.run("memory-pressure", "mlx", patch="fix-chained-accounting")]
 for frames in pressure:
-    result = check(frames).clauses[7]
-    print(f"clause 7 on {views.run_label(frames)}: {result.status}, "
-          f"{len(result.violations)} violations")
+    retired = check(frames).clauses[7]
+    print(f"clause 7 on {views.run_label(frames)}: {retired.status}, "
+          f"{len(retired.violations)} violations")
 
 # %%
 views.retired_lanes(*pressure)

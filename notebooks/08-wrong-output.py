@@ -202,13 +202,22 @@ for workload in contract_lib.workload_names():
 damage = pd.DataFrame(rows)
 print(views.text_table(damage))
 
+# %%
+zero_everywhere = bool((damage["zero"] > 0).all())
+into_slot0 = int((damage["into slot 0"] > 0).sum())
+foreign = damage.loc[damage["into another live request"] > 0, "workload"].tolist()
+views.md(
+    f"**Where things stand.** 0.5.21 shipped the damage. On "
+    f"{'every' if zero_everywhere else 'some'} shipped workload its pool ends with "
+    "radix-matched slots that were never written (`zero`): they wait for a sync that only "
+    "the next extend launch or a removal would do. On "
+    f"**{into_slot0} of the {len(damage)}**, chained positions' KV goes into the padding "
+    f"slot. On {', '.join(f'`{w}`' for w in foreign) or 'none'}, a sync also writes into "
+    "another live request's slots and the second turn emits wrong tokens.")
+
 # %% [markdown]
-# **Where things stand.** 0.5.21 shipped the damage. On every shipped workload its pool
-# ends with radix-matched slots that were never written (`zero`): they wait for a sync
-# that only the next extend launch or a removal would do. On four of the five, chained
-# positions' KV goes into the padding slot. On `two-turn`, the one workload with a radix
-# hit on a reused row, a sync also writes into another live request's slots and the
-# second turn emits wrong tokens. 0.5.22 clamped the reader, which
+# The one workload with a radix hit on a reused row is `two-turn`. 0.5.22 clamped the
+# reader, which
 # turns the damage into the cache loss of clause 2 ([02-counters](02-counters.ipynb)):
 # `a2` reuses 19 positions instead of 27 and recomputes the rest. The writer side,
 # recording every chained position (#30093's allocation half, `fix-chained-accounting`),
