@@ -84,7 +84,9 @@ for frames in clock_runs:
           f"advances {' '.join(map(str, table['advance'].dropna().astype(int).head(8)))} ...")
 torch_clock, mlx_clock = (views.clock_table(f) for f in clock_runs)
 first_prefill = int(torch_clock.loc[torch_clock["prefilled"] > 0, "prefilled"].iloc[0])
-decode_steps = torch_clock[(torch_clock["prefilled"] == 0) & torch_clock["advance"].notna()]
+only_decode = clock_runs[0].launches.groupby("step")["mode"].agg(lambda m: set(m) == {"decode"})
+decode_steps = torch_clock[torch_clock["step"].map(only_decode).eq(True)
+                           & torch_clock["advance"].notna()]
 assert (decode_steps["advance"] > 0).any()  # decode steps advance the torch clock
 assert (mlx_clock["processed_tokens_counter"] == 0).all()  # the MLX clock never moves
 
@@ -112,11 +114,13 @@ views.md(
     "`(0, rid)`: **HRRN degenerates to ordering by request id** (not by size; requests "
     "with nothing to prefill still go first), and no waiting request ever ages. On the "
     f"torch loop the counter advances at decode steps too: after the first prefill of "
-    f"{first_prefill} tokens it grows by "
-    f"{', '.join(map(str, sorted(set(decode_steps['advance'].astype(int)))))} per decode "
-    "step, although the comment above that line says \"Decode / prebuilt batches "
+    f"{first_prefill} tokens, the {len(decode_steps)} decode-only steps advance it by "
+    + ", ".join(f"{v} ({n} steps)" for v, n in
+                decode_steps["advance"].astype(int).value_counts().sort_index(
+                    ascending=False).items())
+    + ", although the comment above that line says \"Decode / prebuilt batches "
     "contribute 0\": `prepare_for_decode` never resets `extend_num_tokens`, so each decode "
-    "step adds the last prefill's token count again. The torch loops over-age waiting "
+    "step adds again the token count of the prefill the running batch came from. The torch loops over-age waiting "
     "requests and the MLX loop does not age them at all: the two loops disagree in "
     "opposite directions.")
 
