@@ -41,12 +41,14 @@ from contract_lib.views.triage import (clause_view, first_violation, step_explor
                                        step_figure, step_snapshot, triage_focus)
 
 __all__ = [
-    "SLOT_COLOURS", "Stop", "audit_cadences", "checked_run", "clause_comparison",
-    "clock_table", "memory_pressure", "memory_table", "retired_lanes", "scheduling_clock", "audit_table", "bug_card", "clause_view",
-    "counter_drift", "crash_summary", "damage_summary", "damage_table", "first_violation",
-    "frames_around", "idle_predicate", "kv_pool_verdicts", "kv_writes", "launch_kinds",
-    "later_turns", "launch_timeline", "md", "panels", "radix_reuse", "radix_reuse_table", "relay_events",
-    "report_table", "run_label", "same_tables", "setup", "slot_grid", "slot_rows",
-    "stamps_table", "step_explorer", "step_figure", "step_snapshot", "step_stamps",
-    "text_table", "token_table", "triage_focus", "beyond_rfc_text", "verdict_line", "wrap",
+    "SLOT_COLOURS", "audit_cadences", "audit_table", "beyond_rfc_text", "bug_card",
+    "checked_run", "clause_comparison", "clause_view", "clock_table", "counter_drift",
+    "crash_summary", "damage_summary", "damage_table", "first_violation",
+    "frames_around", "idle_predicate", "kv_pool_verdicts", "kv_writes", "later_turns",
+    "launch_kinds", "launch_timeline", "md", "memory_pressure", "memory_table",
+    "panels", "radix_reuse", "radix_reuse_table", "relay_events", "report_table",
+    "retired_lanes", "run_label", "same_tables", "scheduling_clock", "setup",
+    "slot_grid", "slot_rows", "stamps_table", "step_explorer", "step_figure",
+    "step_snapshot", "step_stamps", "Stop", "text_table", "token_table", "triage_focus",
+    "verdict_line", "wrap",
 ]

@@ -9,7 +9,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from contract_lib.views.style import (GREEN, ORANGE, SALMON, SKY, VERMILLION, figure,
-    legend, titles)
+                                      legend, titles)
 
 
 _CADENCE_COLOURS = {
@@ -55,11 +55,11 @@ def audit_cadences(audit) -> Figure:
         ax.spines[side].set_visible(False)
     ax.tick_params(length=0)
     titles(fig, f"Effects audit: {audit.workload}",
-            "Green: the loop's steps change the field at every decode launch. Orange: only "
-            "at fresh launches (the MLX chain breaks). Salmon: at some. Red: never. Fields marked 'no clause' "
-            "are bookkeeping no clause checks yet.")
+           "Green: the loop's steps change the field at every decode launch. Orange: only "
+           "at fresh launches (the MLX chain breaks). Salmon: at some. Red: never. Fields "
+           "marked 'no clause' are bookkeeping no clause checks yet.")
     legend(fig, [Patch(facecolor=c, label=label) for label, c in _CADENCE_COLOURS.items()],
-            ncols=3)
+           ncols=3)
     return fig
 
 

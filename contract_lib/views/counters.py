@@ -15,8 +15,9 @@ from matplotlib.patches import Patch
 from contract_lib.contract import live_mask
 from contract_lib.frames import Frames
 from contract_lib.workloads import Workload, load_workload
-from contract_lib.views.style import (BLACK, BLUE, GREEN, GREY, VERMILLION, int_ticks, labels_for,
-    legend, panels, post_steps, request_rows, titles)
+from contract_lib.views.style import (BLACK, BLUE, GREEN, GREY, VERMILLION, int_ticks,
+                                      labels_for, legend, panels, post_steps, request_rows,
+                                      titles)
 
 
 COUNTER_STYLES = [
@@ -163,7 +164,7 @@ def radix_reuse(*runs: Frames, rid: str = "a2", labels: Sequence[str] | None = N
     short = table[table["difference"].fillna(0) < 0]
     said = ", ".join(f"{r.run} loses {-r.difference}" for r in short.itertuples())
     titles(fig, f"Clause 2 downstream: radix reuse of the second turn {rid}",
-            (said or "no run loses cached tokens") + "; each lost token is a position "
-            "the first turn computed but never committed, so its KV is computed again.")
+           (said or "no run loses cached tokens") + "; each lost token is a position "
+           "the first turn computed but never committed, so its KV is computed again.")
     return fig
 

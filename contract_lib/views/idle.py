@@ -10,8 +10,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from contract_lib.frames import Frames
-from contract_lib.views.style import (BLACK, BLUE, LIGHT_GREEN, VERMILLION, int_ticks, legend, panels,
-    titles)
+from contract_lib.views.style import (BLACK, BLUE, LIGHT_GREEN, VERMILLION, int_ticks,
+                                      legend, panels, titles)
 
 
 _IDLE_CELLS = [
@@ -62,8 +62,8 @@ def idle_predicate(*runs: Frames, labels: Sequence[str] | None = None) -> Figure
     handles = [Patch(facecolor=c, edgecolor="#777777", label=l) for _, l, c in _IDLE_CELLS]
     legend(fig, handles, ncols=3)
     titles(fig, "Clause 5, in-flight predicates: is_fully_idle() against the in-flight queue",
-            "Steps where the masked probe says idle with work in flight ("
-            + ", ".join(summary) + "): the real answer was right only because the running "
-            "and last batch terms said busy.")
+           "Steps where the masked probe says idle with work in flight ("
+           + ", ".join(summary) + "): the real answer was right only because the running "
+           "and last batch terms said busy.")
     return fig
 

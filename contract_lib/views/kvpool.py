@@ -11,9 +11,9 @@ from matplotlib.patches import Patch, Rectangle
 
 from contract_lib.frames import Frames
 from contract_lib.kvpool import summary_table
-from contract_lib.views.style import (BROWN, GREEN, LIGHT_GREEN, LIGHT_GREY, PURPLE, SALMON, SKY,
-    VERMILLION,
-    int_ticks, labels_for, legend, panels, titles)
+from contract_lib.views.style import (BROWN, GREEN, LIGHT_GREEN, LIGHT_GREY, PURPLE, SALMON,
+                                      SKY, VERMILLION, int_ticks, labels_for, legend,
+                                      panels, titles)
 
 
 WRITE_TARGETS = {
@@ -83,9 +83,9 @@ def kv_writes(*runs: Frames, rid: str, labels: Sequence[str] | None = None) -> F
                         hatch="//" if t == "dropped" else None, label=WRITE_TARGETS[t][0])
                   for t in WRITE_TARGETS if t in used or t in ("own", "slot 0")], ncols=3)
     titles(fig, f"Clause 1 end to end: where request {rid}'s KV went in the MLX KV pool",
-            "A pool sync writes each position's KV to the slot req_to_token names for it; "
-            "an unrecorded position names slot 0, or in a reused row another request's "
-            "slot. " + "; ".join(summary) + ".")
+           "A pool sync writes each position's KV to the slot req_to_token names for it; "
+           "an unrecorded position names slot 0, or in a reused row another request's "
+           "slot. " + "; ".join(summary) + ".")
     return fig
 
 
@@ -128,8 +128,8 @@ def kv_pool_verdicts(*runs: Frames, rid: str = "a2", labels: Sequence[str] | Non
                                 "pool (radix hit)"))
     legend(fig, handles, ncols=2)
     titles(fig, f"The MLX KV pool at the end: request {rid}'s radix-matched slots",
-            "Every slot must hold the KV mlx-lm's own model computes for these tokens. "
-            + "; ".join(summary) + ".")
+           "Every slot must hold the KV mlx-lm's own model computes for these tokens. "
+           + "; ".join(summary) + ".")
     return fig
 
 

@@ -12,7 +12,7 @@ from matplotlib.patches import Patch
 
 from contract_lib.frames import Frames
 from contract_lib.views.style import (BLUE, ORANGE, SKY, int_ticks, legend, panels,
-    post_steps, titles)
+                                      post_steps, titles)
 
 
 _LAUNCH_KINDS = [
@@ -66,7 +66,7 @@ def launch_timeline(*runs: Frames, labels: Sequence[str] | None = None) -> Figur
                           label="in flight at the step boundary (result_queue_len)"))
     legend(fig, handles, ncols=2)
     titles(fig, "Launch timeline: which steps went through the scheduler's bookkeeping",
-            "; ".join(summary) + ". A chained launch skips get_next_batch_to_run and "
-            "prepare_for_decode, so its step's bookkeeping is what the contract checks.")
+           "; ".join(summary) + ". A chained launch skips get_next_batch_to_run and "
+           "prepare_for_decode, so its step's bookkeeping is what the contract checks.")
     return fig
 

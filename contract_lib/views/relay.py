@@ -10,7 +10,7 @@ from matplotlib.patches import Patch
 
 from contract_lib.frames import Frames
 from contract_lib.views.style import (BLUE, GREEN, VERMILLION, YELLOW, int_ticks, legend,
-    panels, titles)
+                                      panels, titles)
 
 
 def relay_events(*runs: Frames, labels: Sequence[str] | None = None) -> Figure:
@@ -72,7 +72,7 @@ def relay_events(*runs: Frames, labels: Sequence[str] | None = None) -> Figure:
                Patch(facecolor=YELLOW, alpha=0.25, label="step launched a mixed batch")]
     legend(fig, handles, ncols=2)
     titles(fig, "Clause 4, relays published or provably unread: output_tokens_buf",
-            "; ".join(summary) + ". Every read must follow a write of the same row for the "
-            "same request's latest token.")
+           "; ".join(summary) + ". Every read must follow a write of the same row for the "
+           "same request's latest token.")
     return fig
 

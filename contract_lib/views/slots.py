@@ -13,8 +13,9 @@ from matplotlib.patches import Patch
 
 from contract_lib.contract import live_mask, slot_states
 from contract_lib.frames import Frames
-from contract_lib.views.style import (BLACK, BLUE, BROWN, LIGHT_GREEN, LIGHT_GREY, PURPLE, SALMON,
-    VERMILLION, int_ticks, legend, panels, post_steps, request_rows, titles)
+from contract_lib.views.style import (BLACK, BLUE, BROWN, LIGHT_GREEN, LIGHT_GREY, PURPLE,
+                                      SALMON, VERMILLION, int_ticks, legend, panels,
+                                      post_steps, request_rows, titles)
 
 
 SLOT_COLOURS = {
@@ -101,8 +102,8 @@ def slot_grid(*runs: Frames, rid: str, labels: Sequence[str] | None = None,
                        label="kv_committed_len: what the scheduler recorded")]
     legend(fig, handles, ncols=3)
     titles(fig, f"Clause 1, slots recorded: req_to_token of request {rid}",
-            "Every cell below the black line must hold a real slot of the request; slot ids "
+           "Every cell below the black line must hold a real slot of the request; slot ids "
            "are written where they break the clause. "
-            + "; ".join(summary) + ".")
+           + "; ".join(summary) + ".")
     return fig
 

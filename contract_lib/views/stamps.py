@@ -12,7 +12,8 @@ from matplotlib.lines import Line2D
 
 from contract_lib.frames import Frames
 from contract_lib.views.style import (BLACK, BLUE, GREEN, GREY, VERMILLION, figure,
-    int_ticks, labels_for, legend, no_frames, post_steps, titles)
+                                      int_ticks, labels_for, legend, no_frames, post_steps,
+                                      titles)
 
 
 def stamps_table(frames: Frames) -> pd.DataFrame:
@@ -100,6 +101,6 @@ def step_stamps(*runs: Frames, labels: Sequence[str] | None = None) -> Figure:
                       **ts_style["-"])]
     legend(fig, handles, ncols=3)
     titles(fig, "Clause 3, step stamped: forward_ct, forward_iter and launch_ts per launch",
-            "; ".join(summary) + ".")
+           "; ".join(summary) + ".")
     return fig
 

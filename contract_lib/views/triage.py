@@ -13,8 +13,8 @@ from contract_lib.contract import Report, check, live_mask, violation_message
 from contract_lib.frames import Frames
 from contract_lib.views.counters import COUNTER_STYLES
 from contract_lib.views.slots import SLOT_COLOURS, slot_rows
-from contract_lib.views.style import (GREY, int_ticks, post_steps, request_rows,
-    run_label, titles, wrap)
+from contract_lib.views.style import (GREY, int_ticks, post_steps, request_rows, run_label,
+                                      titles, wrap)
 
 
 def first_violation(report: Report) -> dict[str, Any] | None:
@@ -157,8 +157,8 @@ def step_figure(frames: Frames, step: int, rid: str) -> Figure:
                               for s in present], fontsize=7.5, loc="upper center",
                      bbox_to_anchor=(0.5, -0.22), ncols=2, frameon=False)
     titles(fig, f"{run_label(frames)}: request {rid} at step {step}",
-            "Left: the counters must sit on the grey kv_computed line. Right: every "
-            "computed position must hold a real slot.")
+           "Left: the counters must sit on the grey kv_computed line. Right: every "
+           "computed position must hold a real slot.")
     return fig
 
 
