@@ -103,7 +103,7 @@ print(views.text_table(views.stamps_table(mlx).head(6)))
 report = check(no_ct)
 print(f"clause 3 on {views.run_label(no_ct)}: {report.clauses[3].status}, "
       f"{len(report.clauses[3].violations)} launches")
-print(violation_message(report.clauses[3].first()))
+print(views.wrap(violation_message(report.clauses[3].first())))
 print("same tokens as unpatched:", no_ct.output_tokens() == mlx.output_tokens())
 
 # %% [markdown]

@@ -94,7 +94,7 @@ report = check(mlx)
 result = report.clauses[4]
 print(f"clause 4 on {views.run_label(mlx)}: {result.status}, {len(result.violations)} "
       "unpublished reads")
-print(violation_message(result.first()))
+print(views.wrap(violation_message(result.first())))
 print()
 print(views.text_table(result.violations[["step", "launch", "rid", "actual"]]))
 
@@ -116,7 +116,7 @@ print("same tokens on normal and mlx:", normal.output_tokens() == mlx.output_tok
 result = check(broken).clauses[4]
 print(f"clause 4 on {views.run_label(broken)}: {result.status}, {len(result.violations)} "
       "unpublished reads")
-print(violation_message(result.first()))
+print(views.wrap(violation_message(result.first())))
 
 # %% [markdown]
 # Every relay event, per step and row. A write (▲) follows each torch forward, and the

@@ -77,7 +77,7 @@ report = check(mlx)
 result = report.clauses[5]
 print(f"clause 5 on {views.run_label(mlx)}: {result.status}, {len(result.violations)} "
       f"steps ({result.note})")
-print(violation_message(result.first()))
+print(views.wrap(violation_message(result.first())))
 
 # %% [markdown]
 # ## Green: the torch overlap loop, and MLX with the fix

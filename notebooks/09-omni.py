@@ -99,7 +99,7 @@ views.launch_timeline(normal, overlap, omni)
 # %%
 result = check(omni).clauses[5]
 print(f"clause 5 on {views.run_label(omni)}: {result.status} ({result.note})")
-print(violation_message(result.first()))
+print(views.wrap(violation_message(result.first())))
 
 # %%
 views.idle_predicate(overlap, omni)
