@@ -1,0 +1,372 @@
+"""Property-based search for the smallest workload that breaks the contract (Hypothesis).
+
+A campaign generates workloads (requests, prompt lengths and a shared prefix, arrival
+iterations, later turns, ``max_new_tokens``, and server args: chunked prefill, mixed
+chunks, a KV pool small enough to force retraction, the running-request cap, the schedule
+policy, the radix cache), runs each through the real loop with :func:`contract_lib.run`,
+and stops at the first *finding*:
+
+- ``violation``: a clause violated (with ``clause=N``: only clause N counts);
+- ``not-finished``: the run crashed, died or timed out;
+- ``tokens``: the run emitted other tokens than the unpatched torch ``normal`` loop on
+  the same workload (the model-free forward is a deterministic function of the context,
+  so every correct loop emits the same tokens).
+
+Hypothesis then shrinks the finding to a minimal workload showing the same kind of
+finding (and clause), which :func:`write_found` saves as a TOML workload. A run SGLang
+rejects in set-up is discarded (``hypothesis.reject``), as is a vacuous run.
+
+Runs go through a :class:`concurrent.futures.Executor` (default: a local thread pool over
+:func:`run`; for a cluster, ``distributed.Client(...).get_executor()``). Shrinking is
+sequential; what parallelises is an example's two runs (the loop and its torch
+reference) and independent campaigns (several seeds, :func:`search_many`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from concurrent.futures import Executor, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
+from hypothesis import strategies as st
+from hypothesis import seed as hypothesis_seed
+from hypothesis.database import DirectoryBasedExampleDatabase
+from hypothesis.errors import Unsatisfiable
+
+from contract_lib.contract import check, violation_message
+from contract_lib.frames import Frames
+from contract_lib.harness import run
+from contract_lib.patches import patch_spec
+from contract_lib.verdict import loop_mismatch, setup_failed
+from contract_lib.workloads import Workload
+
+ROOT = Path(__file__).resolve().parent.parent
+DATABASE_DIR = ROOT / ".cache" / "hypothesis-search"
+FOUND_DIR = ROOT / "data" / "workloads" / "found"
+
+# Deterministic policies only ("random" would make frames differ between runs);
+# "routing-key" needs routing keys the workload format does not have.
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof")
+MAX_REQUESTS = 4
+MAX_OWN_PROMPT = 48       # tokens of a request's own prompt
+MAX_PREFIX = 32           # tokens of the prefix requests may share
+MAX_NEW_TOKENS = 24
+MAX_ARRIVAL = 12          # loop iterations
+REFERENCE_LOOP = "normal"
+
+
+class SearchSetupError(ValueError):
+    """The campaign cannot run: every generated run failed in set-up, or bad arguments."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """What a run shows: ``kind`` is ``violation``, ``not-finished`` or ``tokens``."""
+
+    kind: str
+    line: str
+    clause: int | None = None
+    field: str | None = None
+    step: int | None = None
+
+    @property
+    def signature(self) -> tuple[str, int | None]:
+        """What shrinking must preserve: the kind and the clause."""
+        return (self.kind, self.clause)
+
+
+@dataclasses.dataclass
+class Campaign:
+    """One search: its settings and, once run, what it found."""
+
+    loop: str
+    patch: str | None = None
+    clause: int | None = None
+    budget: int = 100
+    seed: int = 0
+    shrink_budget: int = 150   # runs allowed after the first finding
+    database: bool = True
+    cache: bool = True
+    examples: int = 0          # examples generated (and run) before the first finding
+    runs: int = 0              # workloads run in all (generation and shrinking)
+    rejected: int = 0          # examples discarded (set-up error, vacuous)
+    history: list[tuple[Workload, Finding]] = dataclasses.field(default_factory=list)
+    found: tuple[Workload, Finding] | None = None
+    setup_errors: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def slug(self) -> str:
+        parts = [self.loop, (self.patch or "unpatched").replace(":", "-").replace("/", "-")]
+        if self.clause:
+            parts.append(f"clause-{self.clause}")
+        return ".".join(parts)
+
+    def command(self) -> str:
+        words = ["python -m contract_lib search", f"--loop {self.loop}"]
+        words += [f"--patch {p}" for p in (self.patch or "").split("+") if p]
+        if self.clause:
+            words.append(f"--clause {self.clause}")
+        return " ".join(words + [f"--budget {self.budget}", f"--seed {self.seed}"])
+
+
+class _Found(Exception):
+    """Raised inside the Hypothesis test for a finding (the failing example)."""
+
+    def __init__(self, workload: Workload, finding: Finding) -> None:
+        super().__init__(finding.line)
+        self.workload, self.finding = workload, finding
+
+
+# -- generation ------------------------------------------------------------------------
+
+
+@st.composite
+def workloads(draw: Callable[[st.SearchStrategy], Any]) -> Workload:
+    """A valid workload (ids 10..299, every context well inside 1024 tokens) and server
+    args that keep SGLang in the loop asked for. Every choice shrinks towards "simpler":
+    fewer requests, shorter prompts, arrival 0, no turn, no server-arg override."""
+    count = draw(st.integers(1, MAX_REQUESTS))
+    prefix = tuple(range(10, 10 + draw(st.integers(0, MAX_PREFIX))))
+    requests: list[dict[str, Any]] = []
+    context: dict[str, int] = {}  # rid -> longest context (prompt + output), tokens
+    for index in range(count):
+        rid = "abcd"[index]
+        turn_of = None
+        if index and draw(st.booleans()):
+            turn_of = requests[draw(st.integers(0, index - 1))]["rid"]
+        shared = bool(prefix) and turn_of is None and draw(st.booleans())
+        own = draw(st.integers(0 if (turn_of or shared) else 1, MAX_OWN_PROMPT))
+        start = 100 + MAX_OWN_PROMPT * index  # distinct tails: ids 100..291
+        prompt = (prefix if shared else ()) + tuple(range(start, start + own))
+        new = draw(st.integers(1, MAX_NEW_TOKENS))
+        request = {"rid": rid, "prompt": list(prompt), "max_new_tokens": new,
+                   "arrival": draw(st.integers(0, MAX_ARRIVAL))}
+        if turn_of:
+            request["turn_of"] = turn_of
+        requests.append(request)
+        context[rid] = len(prompt) + new + (context[turn_of] if turn_of else 0)
+    server_args = _server_args(draw, longest=max(context.values()))
+    budget = sum(context.values()) + 4 * sum(r["arrival"] for r in requests)
+    return Workload.from_dict({"name": "generated", "max_steps": 200 + 4 * budget,
+                               "server_args": server_args, "requests": requests},
+                              source="generated workload")
+
+
+def _server_args(draw, longest: int) -> dict[str, Any]:
+    """Overrides drawn one by one, each absent unless drawn (absent shrinks first). The
+    KV pool is never smaller than the longest request's context (plus a margin), so a
+    request always fits once the others are retracted."""
+    args: dict[str, Any] = {}
+    choices = {
+        "chunked_prefill_size": st.sampled_from((8, 16, 32)),
+        "enable_mixed_chunk": st.just(True),
+        "max_total_tokens": st.integers(longest + 8, 256 if longest < 248 else longest + 8),
+        "max_running_requests": st.integers(1, 3),
+        "schedule_policy": st.sampled_from(SCHEDULE_POLICIES[1:]),
+        "disable_radix_cache": st.just(True),
+    }
+    for key, strategy in choices.items():
+        if draw(st.booleans()):
+            args[key] = draw(strategy)
+    return args
+
+
+# -- judging ---------------------------------------------------------------------------
+
+
+def judge(frames: Frames, reference: Frames | None, clause: int | None) -> Finding | None:
+    """The finding a run shows, or None. ``reference``: the unpatched torch normal loop on
+    the same workload (None: no token comparison)."""
+    report = check(frames)
+    violations = report.violations
+    if clause is not None:
+        violations = violations[violations["clause"] == clause]
+    if not violations.empty:
+        first = violations.iloc[0].to_dict()
+        return Finding("violation", violation_message(first), int(first["clause"]),
+                       first["field"], int(first["step"]))
+    if frames.status != "finished":
+        error = frames.error or {}
+        return Finding("not-finished", f"the run {frames.status} after "
+                       f"{frames.meta.get('steps')} steps: {error.get('type')}: "
+                       f"{error.get('message')}", step=frames.meta.get("steps"))
+    if reference is not None and reference.status == "finished":
+        ours, theirs = frames.output_tokens(), reference.output_tokens()
+        for rid in sorted(set(ours) | set(theirs)):
+            if ours.get(rid) != theirs.get(rid):
+                return Finding("tokens", f"request {rid}: {frames.loop} emitted "
+                               f"{ours.get(rid)}, {REFERENCE_LOOP} emitted "
+                               f"{theirs.get(rid)}", field="outputs")
+    return None
+
+
+def _discarded(frames: Frames) -> str | None:
+    """Why a generated run proves nothing either way (set-up error, another loop, vacuous)."""
+    if setup_failed(frames.meta):
+        error = frames.error or {}
+        return f"set-up error: {error.get('type')}: {error.get('message')}"
+    mismatch = loop_mismatch(frames.meta)
+    if mismatch:
+        return mismatch
+    if frames.status == "finished" and check(frames).vacuity():
+        return "vacuous"
+    return None
+
+
+# -- the campaign ----------------------------------------------------------------------
+
+
+def search(campaign: Campaign, executor: Executor | None = None,
+           progress: Callable[[str, int], None] | None = None) -> Campaign:
+    """Run ``campaign`` (its ``found`` is the minimal workload and finding, or None when
+    the budget was spent without one). ``progress(phase, n)`` is called after every run
+    (phase ``generate`` or ``shrink``). Raises :class:`SearchSetupError` when no generated
+    run got past set-up."""
+    patch_spec(campaign.patch)  # an unknown patch is a usage error before any run
+    own = executor is None
+    executor = executor or ThreadPoolExecutor(max_workers=2)
+    memo: dict[str, Finding | str | None] = {}
+    locked: list[tuple[str, int | None]] = []
+
+    def evaluate(workload: Workload) -> Finding | str | None:
+        key = hashlib.sha256(repr(workload.to_dict()).encode()).hexdigest()
+        if key not in memo:
+            if locked and campaign.runs - campaign.examples >= campaign.shrink_budget:
+                return None  # shrink budget spent: unknown candidates count as passing
+            memo[key] = _evaluate(campaign, workload, executor)
+            campaign.runs += 1
+            if progress:
+                progress("shrink" if locked else "generate", campaign.runs)
+        return memo[key]
+
+    @settings(max_examples=campaign.budget, deadline=None, print_blob=False,
+              verbosity=Verbosity.quiet,
+              database=(DirectoryBasedExampleDatabase(DATABASE_DIR / campaign.slug)
+                        if campaign.database else None),
+              suppress_health_check=list(HealthCheck), report_multiple_bugs=False,
+              phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink))
+    @hypothesis_seed(campaign.seed)
+    @given(workloads())
+    def probe(workload: Workload) -> None:
+        outcome = evaluate(workload)
+        if isinstance(outcome, str):
+            campaign.rejected += 1
+            reject()
+        if outcome is None:
+            return
+        if not locked:
+            locked.append(outcome.signature)
+            campaign.examples = campaign.runs
+        if outcome.signature == locked[0]:
+            if not campaign.history or campaign.history[-1][0] != workload:
+                campaign.history.append((workload, outcome))
+            raise _Found(workload, outcome)
+
+    try:
+        probe()
+    except _Found as found:
+        campaign.found = (found.workload, found.finding)
+    except Unsatisfiable:
+        first = campaign.setup_errors[0] if campaign.setup_errors else "every run vacuous"
+        raise SearchSetupError(f"no generated workload got a verdict on --loop "
+                               f"{campaign.loop}: {first}") from None
+    finally:
+        if own:
+            executor.shutdown(wait=True)
+    if campaign.found is None:
+        campaign.examples = campaign.runs
+    return campaign
+
+
+def _evaluate(campaign: Campaign, workload: Workload,
+              executor: Executor) -> Finding | str | None:
+    """Run the loop (and its torch reference, concurrently) and judge; a string says why
+    the example is discarded."""
+    kwargs = {"patch": campaign.patch, "cache": campaign.cache}
+    ours = executor.submit(run, workload, campaign.loop, **kwargs)
+    needs_reference = campaign.loop != REFERENCE_LOOP or campaign.patch
+    theirs = (executor.submit(run, workload, REFERENCE_LOOP, cache=campaign.cache)
+              if needs_reference else None)
+    frames = ours.result()
+    reference = theirs.result() if theirs else None
+    why = _discarded(frames)
+    if why:
+        if why != "vacuous":
+            campaign.setup_errors.append(why)
+        return why
+    return judge(frames, reference, campaign.clause)
+
+
+def search_many(campaigns: list[Campaign], executor: Executor | None = None,
+                progress: Callable[[str, int], None] | None = None) -> list[Campaign]:
+    """Independent campaigns (e.g. several seeds) side by side, one thread each, their
+    runs through the one ``executor``: the part of a search that parallelises."""
+    own = executor is None
+    executor = executor or ThreadPoolExecutor(max_workers=2 * len(campaigns))
+    try:
+        with ThreadPoolExecutor(max_workers=len(campaigns)) as threads:
+            return list(threads.map(lambda c: search(c, executor, progress), campaigns))
+    finally:
+        if own:
+            executor.shutdown(wait=True)
+
+
+# -- the found workload ----------------------------------------------------------------
+
+
+def workload_size(workload: Workload) -> dict[str, int]:
+    """How big a workload is: requests, prompt tokens, new tokens, server-arg overrides."""
+    return {"requests": len(workload.requests),
+            "prompt_tokens": sum(len(r.prompt) for r in workload.requests),
+            "new_tokens": sum(r.max_new_tokens for r in workload.requests),
+            "server_args": len(workload.server_args)}
+
+
+def to_toml(workload: Workload, header: list[str]) -> str:
+    """The workload as a TOML file (``#`` header lines first) that :func:`load_workload`
+    reads back to the same workload."""
+    lines = [f"# {line}" if line else "#" for line in header]
+    lines += [f"name = {_toml(workload.name)}", f"max_steps = {workload.max_steps}"]
+    if workload.description:
+        lines.append(f"description = {_toml(workload.description)}")
+    if workload.server_args:
+        lines += ["", "[server_args]"]
+        lines += [f"{k} = {_toml(v)}" for k, v in workload.server_args.items()]
+    for spec in workload.requests:
+        lines += ["", "[[requests]]", f"rid = {_toml(spec.rid)}"]
+        if spec.turn_of:
+            lines.append(f"turn_of = {_toml(spec.turn_of)}")
+        lines += [f"prompt = {_toml(list(spec.prompt))}",
+                  f"max_new_tokens = {spec.max_new_tokens}", f"arrival = {spec.arrival}"]
+    return "\n".join(lines) + "\n"
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    return repr(value)
+
+
+def write_found(campaign: Campaign, directory: Path = FOUND_DIR) -> Path:
+    """Save the campaign's minimal workload as ``<directory>/<slug>.toml`` with a header
+    stating the command, the finding and its line."""
+    workload, finding = campaign.found
+    named = dataclasses.replace(workload, name=campaign.slug)
+    where = ", ".join(f"{k} {v}" for k, v in (("clause", finding.clause),
+                      ("field", finding.field), ("step", finding.step)) if v is not None)
+    header = [f"found by: {campaign.command()}",
+              f"finding: {finding.kind}{f' ({where})' if where else ''}",
+              " ".join(finding.line.split()),
+              f"{campaign.examples} examples tried, {campaign.runs} workloads run in all "
+              "(generation and shrinking)", ""]
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{campaign.slug}.toml"
+    path.write_text(to_toml(named, header))
+    return path
