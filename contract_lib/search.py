@@ -132,27 +132,32 @@ class _Found(Exception):
 # -- generation ------------------------------------------------------------------------
 
 
+# One request's choices: (turn, shared, own prompt length, max_new_tokens, arrival).
+# ``turn`` 0 is a first turn; k > 0 makes request i a later turn of request (k-1) % i.
+_REQUEST = st.tuples(st.integers(0, MAX_REQUESTS - 1), st.booleans(),
+                     st.integers(0, MAX_OWN_PROMPT), st.integers(1, MAX_NEW_TOKENS),
+                     st.integers(0, MAX_ARRIVAL))
+
+
 @st.composite
 def workloads(draw: Callable[[st.SearchStrategy], Any]) -> Workload:
-    """A valid workload (ids 10..299, every context well inside 1024 tokens) and server
-    args that keep SGLang in the loop asked for. Every choice shrinks towards "simpler":
-    fewer requests, shorter prompts, arrival 0, no turn, no server-arg override."""
-    count = draw(st.integers(1, MAX_REQUESTS))
+    """A valid workload (ids 10..291, every context well inside 1024 tokens) and server
+    args that keep SGLang in the loop asked for. Requests are a list, so shrinking can
+    delete any of them; every choice shrinks towards "simpler": fewer requests, shorter
+    prompts, arrival 0, no turn, no shared prefix, no server-arg override."""
     prefix = tuple(range(10, 10 + draw(st.integers(0, MAX_PREFIX))))
+    raw = draw(st.lists(_REQUEST, min_size=1, max_size=MAX_REQUESTS))
     requests: list[dict[str, Any]] = []
     context: dict[str, int] = {}  # rid -> longest context (prompt + output), tokens
-    for index in range(count):
+    for index, (turn, shared, own, new, arrival) in enumerate(raw):
         rid = "abcd"[index]
-        turn_of = None
-        if index and draw(st.booleans()):
-            turn_of = requests[draw(st.integers(0, index - 1))]["rid"]
-        shared = bool(prefix) and turn_of is None and draw(st.booleans())
-        own = draw(st.integers(0 if (turn_of or shared) else 1, MAX_OWN_PROMPT))
+        turn_of = requests[(turn - 1) % index]["rid"] if turn and index else None
+        shared = shared and bool(prefix) and turn_of is None
         start = 100 + MAX_OWN_PROMPT * index  # distinct tails: ids 100..291
+        own = max(own, 0 if (turn_of or shared) else 1)
         prompt = (prefix if shared else ()) + tuple(range(start, start + own))
-        new = draw(st.integers(1, MAX_NEW_TOKENS))
         request = {"rid": rid, "prompt": list(prompt), "max_new_tokens": new,
-                   "arrival": draw(st.integers(0, MAX_ARRIVAL))}
+                   "arrival": arrival}
         if turn_of:
             request["turn_of"] = turn_of
         requests.append(request)
