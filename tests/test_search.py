@@ -8,6 +8,7 @@ first session); the full per-patch table is in README.md and benchmarks/search.m
 
 from __future__ import annotations
 
+import re
 import tomllib
 
 import pytest
@@ -142,3 +143,18 @@ def test_runs_go_through_a_dask_executor():
     # Every run (the loop's and its torch reference's) was a task on the cluster.
     assert len([t for t in tasks.data if t["key"].startswith("run-")]) == 2 * campaign.runs
 
+
+
+FOUND = sorted(search_mod.FOUND_DIR.glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", FOUND, ids=[p.stem for p in FOUND])
+def test_each_shipped_found_workload_shows_the_violation_its_header_states(path):
+    header = dict(line[2:].split(": ", 1) for line in path.read_text().splitlines()[:2])
+    words = header["found by"].split()
+    loop = words[words.index("--loop") + 1]
+    patches = [words[i + 1] for i, w in enumerate(words) if w == "--patch"]
+    clause, field = re.match(r"violation \(clause (\d), field (\w+)", header["finding"]).groups()
+    first = check(contract_lib.run(load_workload(path), loop, patch=patches or None)
+                  ).clauses[int(clause)].first()
+    assert first is not None and first["field"] == field
