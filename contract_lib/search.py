@@ -1,21 +1,13 @@
 """Property-based search for the smallest workload that breaks the contract (Hypothesis).
 
-A campaign generates workloads (requests, prompt lengths and a shared prefix, arrival
-iterations, later turns, ``max_new_tokens``, and server args: chunked prefill, mixed
-chunks, a KV pool small enough to force retraction, the running-request cap, the schedule
-policy, the radix cache; not ``page_size``: a page size above 1 crashes every loop on this
-CPU path in ``alloc_extend``, "only for paged allocator"), runs each through the real loop with :func:`contract_lib.run`,
-and stops at the first *finding*:
-
-- ``violation``: a clause violated (with ``clause=N``: only clause N counts);
-- ``not-finished``: the run crashed, died or timed out;
-- ``tokens``: the run emitted other tokens than the unpatched torch ``normal`` loop on
-  the same workload (the model-free forward is a deterministic function of the context,
-  so every correct loop emits the same tokens).
-
-Hypothesis then shrinks the finding to a minimal workload showing the same kind of
-finding (and clause), which :func:`write_found` saves as a TOML workload. A run SGLang
-rejects in set-up is discarded (``hypothesis.reject``), as is a vacuous run.
+A campaign generates workloads (:func:`workloads`), runs each through the real loop with
+:func:`contract_lib.run`, and stops at the first *finding* (:func:`judge`): a clause
+violated (with ``clause=N``, only clause N counts); a run that crashed, died or timed
+out (``not-finished``); or output tokens unequal to the unpatched torch ``normal`` loop's
+on the same workload (``tokens``: the model-free forward is a deterministic function of
+the context, so every correct loop emits the same tokens). Hypothesis shrinks it to a
+minimal workload with the same kind and clause; :func:`write_found` saves it as TOML. A
+run SGLang rejects in set-up, or a vacuous one, is discarded (``hypothesis.reject``).
 
 Runs go through a :class:`concurrent.futures.Executor` (default: a local thread pool over
 :func:`run`; for a cluster, ``distributed.Client(...).get_executor()``). Shrinking is
@@ -27,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+import threading
 from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -51,11 +45,9 @@ FOUND_DIR = ROOT / "data" / "workloads" / "found"
 # Deterministic policies only ("random" would make frames differ between runs);
 # "routing-key" needs routing keys the workload format does not have.
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof")
-MAX_REQUESTS = 4
-MAX_OWN_PROMPT = 48       # tokens of a request's own prompt
-MAX_PREFIX = 32           # tokens of the prefix requests may share
-MAX_NEW_TOKENS = 24
-MAX_ARRIVAL = 12          # loop iterations
+MAX_REQUESTS, MAX_NEW_TOKENS = 4, 24
+MAX_OWN_PROMPT, MAX_PREFIX = 48, 32  # tokens: a request's own prompt, the shared prefix
+MAX_ARRIVAL = 12                     # loop iterations
 REFERENCE_LOOP = "normal"
 # A campaign whose first runs all fail in set-up (a patch that does not apply, a loop
 # mismatch) is a set-up error, not a search.
@@ -172,7 +164,8 @@ def workloads(draw: Callable[[st.SearchStrategy], Any]) -> Workload:
 def _server_args(draw, longest: int) -> dict[str, Any]:
     """Overrides drawn one by one, each absent unless drawn (absent shrinks first). The
     KV pool is never smaller than the longest request's context (plus a margin), so a
-    request always fits once the others are retracted."""
+    request always fits once the others are retracted. No ``page_size``: above 1 it
+    crashes every loop on this CPU path ("alloc_extend is only for paged allocator")."""
     args: dict[str, Any] = {}
     choices = {
         "chunked_prefill_size": st.sampled_from((8, 16, 32)),
@@ -237,11 +230,13 @@ def _discarded(frames: Frames) -> str | None:
 
 
 def search(campaign: Campaign, executor: Executor | None = None,
-           progress: Callable[[str, int], None] | None = None) -> Campaign:
+           progress: Callable[[str, int], None] | None = None,
+           stop: threading.Event | None = None) -> Campaign:
     """Run ``campaign`` (its ``found`` is the minimal workload and finding, or None when
     the budget was spent without one). ``progress(phase, n)`` is called after every run
-    (phase ``generate`` or ``shrink``). Raises :class:`SearchSetupError` when no generated
-    run got past set-up."""
+    (phase ``generate`` or ``shrink``); setting ``stop`` ends the campaign with a
+    KeyboardInterrupt before its next run. Raises :class:`SearchSetupError` when no
+    generated run got past set-up."""
     patch_spec(campaign.patch)  # an unknown patch is a usage error before any run
     own = executor is None
     executor = executor or ThreadPoolExecutor(max_workers=2)
@@ -250,6 +245,8 @@ def search(campaign: Campaign, executor: Executor | None = None,
 
     def evaluate(workload: Workload) -> Finding | str | None:
         key = hashlib.sha256(repr(workload.to_dict()).encode()).hexdigest()
+        if stop is not None and stop.is_set():
+            raise KeyboardInterrupt("search stopped")
         if key not in memo:
             if locked and campaign.runs - campaign.examples >= campaign.shrink_budget:
                 return None  # shrink budget spent: unknown candidates count as passing
@@ -327,12 +324,19 @@ def search_many(campaigns: list[Campaign], executor: Executor | None = None,
                 progress: Callable[[str, int], None] | None = None) -> list[Campaign]:
     """Independent campaigns (e.g. several seeds) side by side, one thread each, their
     runs through the one ``executor``: the part of a search that parallelises."""
+    if len(campaigns) == 1:
+        return [search(campaigns[0], executor, progress)]
     own = executor is None
     executor = executor or ThreadPoolExecutor(max_workers=2 * len(campaigns))
+    stop = threading.Event()
+    threads = ThreadPoolExecutor(max_workers=len(campaigns))
     try:
-        with ThreadPoolExecutor(max_workers=len(campaigns)) as threads:
-            return list(threads.map(lambda c: search(c, executor, progress), campaigns))
+        return list(threads.map(lambda c: search(c, executor, progress, stop), campaigns))
+    except KeyboardInterrupt:  # Ctrl-C: every campaign stops before its next run
+        stop.set()
+        raise
     finally:
+        threads.shutdown(wait=True, cancel_futures=True)
         if own:
             executor.shutdown(wait=True)
 
@@ -368,10 +372,8 @@ def to_toml(workload: Workload, header: list[str]) -> str:
 
 
 def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    if isinstance(value, (bool, str)):
+        return json.dumps(value)  # JSON's true/false and escaped strings are TOML's
     if isinstance(value, list):
         return "[" + ", ".join(_toml(v) for v in value) + "]"
     return repr(value)

@@ -9,6 +9,7 @@ first session); the full per-patch table is in README.md and benchmarks/search.m
 from __future__ import annotations
 
 import re
+import threading
 import tomllib
 
 import pytest
@@ -158,3 +159,13 @@ def test_each_shipped_found_workload_shows_the_violation_its_header_states(path)
     first = check(contract_lib.run(load_workload(path), loop, patch=patches or None)
                   ).clauses[int(clause)].first()
     assert first is not None and first["field"] == field
+
+
+def test_a_set_stop_event_ends_the_campaign_before_its_next_run():
+    """What Ctrl-C does to side-by-side campaigns (``search_many``): each stops at once."""
+    stop = threading.Event()
+    stop.set()
+    campaign = Campaign("normal", budget=5, database=False)
+    with pytest.raises(KeyboardInterrupt):
+        search(campaign, stop=stop)
+    assert campaign.runs == 0
