@@ -33,7 +33,8 @@ from pathlib import Path
 import pandas as pd
 
 from contract_lib.frames import Frames
-from contract_lib.harness import LOOPS, frames_or_raise, run_many
+# The effects audit compares SGLang's own loops (not sglang-omni's).
+from contract_lib.harness import SGLANG_LOOPS as LOOPS, frames_or_raise, run_many
 from contract_lib.patches import PatchArg, patch_spec
 from contract_lib.verdict import Outcome, setup_failed
 
@@ -60,6 +61,8 @@ CLAUSE_OF_FIELD = {
     "_sched_idled": 3,
     "output_tokens_buf[]": 4, "new_seq_lens_buf[]": 4,
     "result_queue": 5,
+    # this project's extensions (contract_lib/extensions.py)
+    "decode_batch_idx": 2, "processed_tokens_counter": 6,
 }
 _TIMING = re.compile(r"(^|_)(ts|time|times|timestamp|latency|ns|us|ms|wall|monotonic|"
                      r"duration|elapsed|busy)(_|$)|_at$|_ts_|start_time", re.IGNORECASE)

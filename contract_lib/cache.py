@@ -44,8 +44,8 @@ from contract_lib.frames import (SCHEMA_VERSION, Frames, FramesFormatError, read
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # The modules whose code determines a run's frames (not the checker or presentation).
-_RUN_MODULES = ("cache", "capture", "effects", "frames", "harness", "kvpool", "patches",
-                "pool", "shims", "tiny_model", "versions", "workloads")
+_RUN_MODULES = ("cache", "capture", "effects", "frames", "harness", "kvpool", "omni",
+                "patches", "pool", "shims", "tiny_model", "versions", "workloads")
 LIBRARY_FILES = sorted(
     [*(Path(__file__).parent / f"{name}.py" for name in _RUN_MODULES),
      PROJECT_ROOT / "data" / "model" / "config.json"])
@@ -150,10 +150,12 @@ def _installed_roots() -> tuple[str, ...]:
     import site
     import sys
 
+    from contract_lib.omni import omni_root
     from contract_lib.versions import releases_dir
 
     roots = {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
-             *site.getsitepackages(), site.getusersitepackages(), str(releases_dir())}
+             *site.getsitepackages(), site.getusersitepackages(), str(releases_dir()),
+             str(omni_root())}  # sglang-omni's folder is keyed by its install stamp
     sglang = sys.modules.get("sglang")
     if getattr(sglang, "__file__", None):
         roots.add(str(Path(sglang.__file__).parent.parent))

@@ -17,6 +17,16 @@ records, and calls the original:
   ``alloc_for_decode``, the radix caches' ``cache_unfinished_req``); every entry written
   is attributed to the request holding that row at write time, so a ``slots`` entry
   left by a row's previous holder shows as not ``written``.
+- :class:`BackendStateRecorder` wraps nothing: at each step boundary it reads the
+  backend's per-request dicts and sets (table ``backend_state``, clause 7).
+
+On sglang-omni's ``OmniScheduler`` (loop ``omni``, :mod:`contract_lib.omni`) the step
+boundary is ``recv_requests`` (the first call of its loop iteration after the admin
+queue), scripted requests go into its ``inbox``, the registry wraps its
+``request_builder`` (it appends to ``waiting_queue`` itself, not through
+``_add_request_to_queue``), and its model-free forward calls
+:meth:`Recorder.on_torch_launch`. Its in-flight work is its one-step lookahead
+(``async_pending``): ``steps.enable_overlap`` and ``result_queue_len`` record it there.
 """
 
 from __future__ import annotations
@@ -37,6 +47,10 @@ class StopRun(Exception):
     """Raised at a step boundary once the workload is done (every request finished)."""
 
 
+class OmniRequestError(RuntimeError):
+    """sglang-omni put an error for a request into its outbox (a failed batch)."""
+
+
 class StepBudgetExceeded(Exception):
     """Raised at a step boundary past the workload's ``max_steps``."""
 
@@ -49,6 +63,23 @@ def _mode_name(batch) -> str | None:
 
 def _tolist(tensor) -> list:
     return [] if tensor is None else tensor.tolist()
+
+
+def _prefill_lanes(batch) -> list[int]:
+    """Indices into ``batch.reqs`` of its prefill/extend lanes: every request of an
+    extend or mixed batch except its decode lanes (``decoding_reqs``); none of a decode
+    batch."""
+    if batch is None or batch.is_empty() or not batch.forward_mode.is_extend():
+        return []
+    decoding = {id(req) for req in (batch.decoding_reqs or ())}
+    return [i for i, req in enumerate(batch.reqs) if id(req) not in decoding]
+
+
+def _prefilled_tokens(batch) -> int:
+    """Tokens a launch prefills (clause 6): its prefill lanes' ``extend_lens``; a decode
+    lane of a mixed batch, a decode or a chained launch (``batch`` None) prefill none."""
+    lanes = _prefill_lanes(batch)
+    return int(sum(batch.extend_lens[i] for i in lanes))
 
 
 class Recorder:
@@ -83,12 +114,19 @@ class Recorder:
         # Per req_to_token entry: the registry index (in ``reqs`` order) of the request
         # that held the row when the entry was last written; -1 never written.
         self.written_by: np.ndarray | None = None
+        self._checker = None
+        self.resolving: int | None = None  # omni: the launch being resolved
+        # Per request: kv_computed at the end of its last prefill/extend lane (clause 2's
+        # decode_batch_idx counts the decode launches since).
+        self.kv_prefilled: dict[str, int] = {}
+        self.backend = None
 
     # -- installation -------------------------------------------------------------------
 
     def install(self) -> None:
         s = self.s
-        real_ingest = s.ingest_requests
+        boundary = "recv_requests" if self.loop == "omni" else "ingest_requests"
+        real_ingest = getattr(s, boundary)
         real_add = s._add_request_to_queue
         real_process = s.process_batch_result
 
@@ -104,17 +142,46 @@ class Recorder:
             self.on_processed(batch, result)
             return real_process(batch, result, *args, **kwargs)
 
-        s.ingest_requests = ingest_requests
-        s._add_request_to_queue = add_request_to_queue
+        setattr(s, boundary, ingest_requests)
+        if self.loop == "omni":
+            real_build = s.request_builder
+
+            def request_builder(payload):
+                data = real_build(payload)
+                self.reqs.setdefault(data.req.rid, data.req)
+                return data
+
+            s.request_builder = request_builder
+        else:
+            s._add_request_to_queue = add_request_to_queue
         if not self.capture:
             return  # feed and stop only: the baseline for the capture overhead
         s.process_batch_result = process_batch_result
         self._install_row_write_hook()
+        if self.loop == "omni":
+            self._install_omni_resolve_hook()
         self._install_relay_hooks()
         if self.effects is not None:
             self.effects.install(s)
         if self.loop == "mlx":
             self._install_mlx_launch_hooks()
+        self.backend = BackendStateRecorder(self.s)
+
+    def _install_omni_resolve_hook(self) -> None:
+        """Pair each lookahead launch with its resolve (``resolve_and_process``), in
+        launch order: a launch whose requests all finished in an earlier step (the
+        lookahead overrun) is resolved and dropped without ``process_batch_result``, so
+        pairing processed batches with launches by order alone would shift by one."""
+        real_resolve = self.s.resolve_and_process
+
+        def resolve_and_process(*args, **kwargs):
+            self.resolving = self.unprocessed.popleft() if self.unprocessed else None
+            try:
+                return real_resolve(*args, **kwargs)
+            finally:
+                self.resolving = None
+
+        self.s.resolve_and_process = resolve_and_process
 
     def _install_relay_hooks(self) -> None:
         from sglang.srt.managers import overlap_utils, scheduler as scheduler_module
@@ -128,6 +195,8 @@ class Recorder:
             return real_resolve(batch, fmap)
 
         scheduler_module.resolve_forward_inputs = resolve_forward_inputs
+        if self.loop == "omni":  # its execution bridge imports it at every forward
+            overlap_utils.resolve_forward_inputs = resolve_forward_inputs
         if self.loop == "mlx":
             from sglang.srt.hardware_backend.mlx import scheduler_mixin
 
@@ -213,7 +282,8 @@ class Recorder:
 
     # -- launches -------------------------------------------------------------------------
 
-    def _record_launch(self, *, forward_iter, launch_ts, mode, chained, rids) -> None:
+    def _record_launch(self, *, forward_iter, launch_ts, mode, chained, rids,
+                       prefilled_tokens: int = 0) -> None:
         self.launch_ct += 1
         self.unprocessed.append(self.launch_ct)
         self.emit(("row", "launches", {
@@ -222,6 +292,7 @@ class Recorder:
             "launch_ts": launch_ts, "mode": mode, "chained": chained,
             "rids": ",".join(rids), "processed_step": None,
             "processed_forward_iter": None, "processed_launch_ts": None,
+            "prefilled_tokens": prefilled_tokens,
         }))
 
     def on_torch_launch(self, batch, tokens: list[int]) -> None:
@@ -232,13 +303,17 @@ class Recorder:
         for rid, seq_len, token in zip(rids, batch.seq_lens.tolist(), tokens):
             self.kv_computed[rid] = int(seq_len)
             self.latest_token[rid] = int(token)
+        for lane in _prefill_lanes(batch):
+            self.kv_prefilled[rids[lane]] = self.kv_computed[rids[lane]]
         self._record_launch(forward_iter=batch.forward_iter, launch_ts=batch.launch_ts,
-                            mode=_mode_name(batch), chained=False, rids=rids)
+                            mode=_mode_name(batch), chained=False, rids=rids,
+                            prefilled_tokens=_prefilled_tokens(batch))
 
     def on_mlx_launch(self, launch, batch, *, chained: bool) -> None:
         rids = []
         for pending in (*launch.prefills, *launch.extends):
             self.kv_computed[pending.req_id] = int(pending.cache[0].offset)
+            self.kv_prefilled[pending.req_id] = self.kv_computed[pending.req_id]
             rids.append(pending.req_id)
         if launch.decode is not None:
             for rid, cache in zip(launch.decode.req_ids, launch.decode.caches):
@@ -250,12 +325,16 @@ class Recorder:
         else:
             forward_iter, launch_ts, mode = None, None, "decode"
         self._record_launch(forward_iter=forward_iter, launch_ts=launch_ts, mode=mode,
-                            chained=chained, rids=rids)
+                            chained=chained, rids=rids,
+                            prefilled_tokens=_prefilled_tokens(batch))
 
     def on_processed(self, batch, result) -> None:
-        if not self.unprocessed:
+        if self.resolving is not None:
+            launch, self.resolving = self.resolving, None
+        elif self.unprocessed:
+            launch = self.unprocessed.popleft()
+        else:
             return
-        launch = self.unprocessed.popleft()
         self.emit(("update", "launches", "launch", launch, {
             "processed_step": self.step,
             "processed_forward_iter": batch.forward_iter,
@@ -312,6 +391,8 @@ class Recorder:
             self._emit_effects()
         if self.capture:
             self.snapshot()
+        if self.loop == "omni":
+            self._raise_omni_errors()
         if self.done():
             raise StopRun()
         if self.step >= self.workload.max_steps:
@@ -323,6 +404,21 @@ class Recorder:
             self.effects.step = self.step
             self.effects.active = True
 
+    def _raise_omni_errors(self) -> None:
+        """Make a request error sglang-omni reported end the run (crashed).
+
+        Its loop catches a failing batch (``run_batch``, ``handle_batch_failure``),
+        aborts the batch's requests and carries on; the error only goes to the outbox
+        for the next pipeline stage. Without this, a run whose forward raised would
+        finish with aborted requests and hold every clause vacuously."""
+        for message in list(self.s.outbox.queue):
+            if message.type == "error":
+                error = message.data
+                raise OmniRequestError(
+                    f"sglang-omni reported an error for request {message.request_id!r}: "
+                    f"{type(error).__name__}: {error}") from (
+                        error if isinstance(error, BaseException) else None)
+
     def _emit_effects(self) -> None:
         rows = [("effects", row) for row in self.effects.take(self.loop)]
         if rows:
@@ -332,7 +428,19 @@ class Recorder:
         return (len(self.fed) == len(self.workload.requests)
                 and all(req.finished() for req in self.reqs.values())
                 and len(self.reqs) == len(self.workload.requests)
-                and not getattr(self.s, "result_queue", None))
+                and self._in_flight() == 0)
+
+    def _in_flight(self) -> int:
+        """Launched steps not yet processed that the loop carries to its next iteration:
+        SGLang's overlap loops' ``result_queue``; omni's lookahead step (``async_pending``)."""
+        if self.loop == "omni":
+            return int(self.s.async_pending is not None)
+        return len(getattr(self.s, "result_queue", ()) or ())
+
+    def _overlaps(self) -> bool:
+        """Whether the loop can carry in-flight work (omni: ``enable_async_decode``)."""
+        return bool(self.s.enable_overlap or (self.loop == "omni"
+                                              and self.s.enable_async_decode))
 
     def feed(self) -> None:
         for spec in self.workload.requests:
@@ -344,7 +452,12 @@ class Recorder:
                 if parent is None or not parent.finished():
                     continue
                 prompt = list(parent.origin_input_ids) + list(parent.output_ids) + prompt
-            self.s.request_receiver.pending.append(_tokenized_request(spec, prompt))
+            if self.loop == "omni":
+                from contract_lib.shims import omni_request_message
+
+                self.s.inbox.put(omni_request_message(spec.rid, prompt, spec.max_new_tokens))
+            else:
+                self.s.request_receiver.pending.append(_tokenized_request(spec, prompt))
             self.fed.add(spec.rid)
 
     def snapshot(self) -> None:
@@ -353,14 +466,15 @@ class Recorder:
         rows: list[tuple[str, dict[str, Any]]] = []
         rows.append(("steps", {
             "step": step, "loop": self.loop, "forward_ct": s.forward_ct,
-            "result_queue_len": len(getattr(s, "result_queue", ()) or ()),
+            "result_queue_len": self._in_flight(),
             "is_fully_idle": bool(s.is_fully_idle()), "idle_probe": self._idle_probe(),
-            "enable_overlap": bool(s.enable_overlap),
+            "enable_overlap": self._overlaps(),
             "enable_overlap_mlx": bool(s.enable_overlap_mlx),
             "running_bs": 0 if running is None else len(running.reqs),
             "running_mode": _mode_name(running), "last_batch_mode": _mode_name(last),
             "waiting_len": len(s.waiting_queue), **self._pool_terms(),
             "wall_time": time.monotonic(),
+            "processed_tokens_counter": getattr(s, "processed_tokens_counter", None),
         }))
         free = self._free_slots()
         rtt = s.req_to_token_pool.req_to_token
@@ -380,6 +494,8 @@ class Recorder:
                 "cached_tokens": req.cached_tokens,
                 "finish_reason": reason.get("type"), "finish_message": reason.get("message"),
                 "retractions": req.retraction_count,
+                "decode_batch_idx": getattr(req, "decode_batch_idx", None),
+                "kv_prefilled": self.kv_prefilled.get(rid),
             }))
             if row is None or req.finished():
                 continue
@@ -388,6 +504,7 @@ class Recorder:
             written = (self.written_by[row, :width] == index).tolist()
             slot_rows.append((step, rid, row, entries.tolist(), free[entries].tolist(),
                               written))
+        rows += [("backend_state", row) for row in self.backend.rows(step, self.reqs)]
         # One message: the step's frame, taken together (slots column-wise, expanded by
         # the parent into one row per position).
         self.emit(("rows", rows, slot_rows))
@@ -405,7 +522,7 @@ class Recorder:
 
     def _pool_terms(self) -> dict[str, Any]:
         """SGLang's own KV pool conservation terms (``InvariantChecker``), and its verdict."""
-        checker = self.s.invariant_checker
+        checker = self._invariant_checker()
         stats = checker.pool_stats_observer.get_pool_stats()
         if checker.get_last_batch() is None:
             # <= 0.5.21 reads ``get_last_batch().reqs`` unguarded (SGLang calls it only
@@ -426,6 +543,21 @@ class Recorder:
             "kv_protected": int(self.s.tree_cache.protected_size()),
             "kv_uncached": int(uncached), "pool_leak": bool(leak),
         }
+
+    def _invariant_checker(self):
+        """SGLang's ``SchedulerInvariantChecker``: the scheduler's own or, where the loop
+        builds none (``omni``), one SGLang's ``init_invariant_checker`` builds over the
+        scheduler's pools for the frames only (nothing in the loop reads it)."""
+        checker = getattr(self.s, "invariant_checker", None)
+        if checker is None:
+            if self._checker is None:
+                from sglang.srt.managers.scheduler import Scheduler
+
+                view = _ReadThrough(self.s)
+                Scheduler.init_invariant_checker(view)
+                self._checker = view.invariant_checker
+            checker = self._checker
+        return checker
 
     def _free_slots(self) -> np.ndarray:
         """A mask over slot ids: True where the allocator holds the slot as free
@@ -456,6 +588,62 @@ class Recorder:
         for rid, req in self.reqs.items():
             for index, token in enumerate(req.output_ids):
                 self.emit(("row", "outputs", {"rid": rid, "index": index, "token": int(token)}))
+
+
+class BackendStateRecorder:
+    """Records the backend's per-request structures at every step boundary.
+
+    The backend is the scheduler's ``tp_worker`` and every ``*runner`` object it holds
+    (MLX: ``MlxTpModelWorker``, its ``MlxModelRunner`` and the bookkeeping stub; torch:
+    ``TpModelWorker`` and its runner). A structure is per-request when it is a dict or set
+    attribute of one of them that has ever been keyed by a request id the scheduler knows;
+    from then on every string key it holds is recorded, known or not. No names are
+    assumed, so a release or a replacement loop that renames them is still covered.
+    """
+
+    def __init__(self, scheduler) -> None:
+        self.s = scheduler
+        self.per_request: set[str] = set()  # "object.attribute" found keyed by request ids
+
+    def _objects(self) -> dict[str, Any]:
+        worker = getattr(self.s, "tp_worker", None)
+        if worker is None:
+            return {}
+        objects = {"tp_worker": worker}
+        for name, value in vars(worker).items():
+            if name.endswith("runner") and value is not None and hasattr(value, "__dict__"):
+                objects[f"tp_worker.{name}"] = value
+        return objects
+
+    def rows(self, step: int, reqs: dict[str, Any]) -> list[dict[str, Any]]:
+        """``(step, rid, structure, row)`` per request key held, in a stable order."""
+        rows = []
+        for owner, obj in self._objects().items():
+            for name, value in sorted(vars(obj).items()):
+                if not isinstance(value, (dict, set, frozenset)):
+                    continue
+                structure = f"{owner}.{name}"
+                keys = [k for k in value if isinstance(k, str)]
+                if structure not in self.per_request:
+                    if not any(k in reqs for k in keys):
+                        continue
+                    self.per_request.add(structure)
+                maps_row = isinstance(value, dict) and "pool_idx" in name
+                for key in sorted(keys):
+                    row = value[key] if maps_row else None
+                    rows.append({"step": step, "rid": key, "structure": structure,
+                                 "row": int(row) if isinstance(row, int) else None})
+        return rows
+
+
+class _ReadThrough:
+    """Reads fall through to the scheduler; writes stay here (see ``_invariant_checker``)."""
+
+    def __init__(self, scheduler) -> None:
+        self._scheduler = scheduler
+
+    def __getattr__(self, name: str):
+        return getattr(self._scheduler, name)
 
 
 class _EmptyBatch:

@@ -20,6 +20,7 @@ import ast
 import sys
 from pathlib import Path
 
+from contract_lib.extensions import CLAUSE_SETS
 from contract_lib.frames import Frames
 from contract_lib.harness import LOOPS, RUNNERS, RunInterrupted, RunSetupError, run
 from contract_lib.patches import BUILTIN_PATCHES, PatchError
@@ -81,6 +82,13 @@ def _add_release_options(parser: argparse.ArgumentParser, repeat: bool = False) 
                             ".cache/sglang/<version> on first use")
 
 
+def _add_clauses_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--clauses", choices=CLAUSE_SETS, default="all",
+                        help="all: RFC #32833's five clauses and this project's extensions "
+                        "(decode_batch_idx in clause 2, clauses 6 and 7; default); rfc: the "
+                        "RFC's five only")
+
+
 def _add_speed_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cache", action="store_true",
                         help="neither serve nor store this run in the frame cache")
@@ -95,8 +103,13 @@ def _default_out(args) -> Path:
     if args.sglang:
         name += f".sglang-{args.sglang}"
     if args.patch:
-        name += "." + "+".join(args.patch).replace(":", "-").replace("/", "-")
+        name += "." + _file_part("+".join(args.patch))
     return FRAMES_DIR / f"{name}.json"
+
+
+def _file_part(patch: str) -> str:
+    """A patch spec as part of a file name."""
+    return patch.replace(":", "-").replace("/", "-")
 
 
 def _run(args) -> Frames:
@@ -105,11 +118,23 @@ def _run(args) -> Frames:
                      server_args=dict(args.server_arg), cache=not args.no_cache,
                      warm=not args.cold, runner=args.runner, sglang=args.sglang)
     except RunInterrupted as exc:  # keep what the run captured
-        out = exc.frames.save(args.out or _default_out(args))
+        out = _save_frames(exc.frames, args.out or _default_out(args))
         raise RunInterrupted(f"{exc}; the frames so far are in {out}", exc.frames) from None
-    out = frames.save(args.out or _default_out(args))
-    print(f"frames written to {out}{' (from the frame cache)' if frames.meta.get('cached') else ''}")
+    out = _save_frames(frames, args.out or _default_out(args))
+    if out is not None:
+        cached = " (from the frame cache)" if frames.meta.get("cached") else ""
+        print(f"frames written to {out}{cached}")
     return frames
+
+
+def _save_frames(frames: Frames, path: Path) -> Path | None:
+    """Write the frames; an unwritable path costs the file, never the verdict (one line
+    on stderr, None returned)."""
+    try:
+        return frames.save(path)
+    except OSError as exc:
+        print(f"warning: could not write the frames to {path}: {exc}", file=sys.stderr)
+        return None
 
 
 def _fate(frames: Frames) -> Outcome:
@@ -138,7 +163,7 @@ def cmd_check(args) -> int:
     from contract_lib.contract import check
 
     frames = _run(args)
-    report = check(frames)
+    report = check(frames, args.clauses)
     if setup_failed(frames.meta):
         print(run_summary(frames))
         print(report.verdict().line())
@@ -164,7 +189,7 @@ def cmd_status(args) -> int:
                              loops=tuple(args.loop) if args.loop else None,
                              patch="+".join(args.patch) if args.patch else None,
                              cache=not args.no_cache, warm=not args.cold,
-                             runner=args.runner)
+                             runner=args.runner, clauses=args.clauses)
     print(result.text())
     reference = result.reference_violations()
     if not reference.empty:
@@ -193,8 +218,17 @@ def cmd_trace(args) -> int:
     patch = "+".join(args.patch) if args.patch else None
     runs = [run(args.workload, loop, patch=patch, cache=not args.no_cache,
                 warm=not args.cold) for loop in loops]
-    out = args.out or FRAMES_DIR / f"{Path(args.workload).stem}.{'-'.join(loops)}.trace.json"
-    path = write_trace(runs, out, wall_clock=args.wall_clock)
+    name = f"{Path(args.workload).stem}.{'-'.join(loops)}"
+    if patch:
+        name += "." + _file_part(patch)
+    if args.wall_clock:
+        name += ".wall-clock"
+    out = args.out or FRAMES_DIR / f"{name}.trace.json"
+    try:
+        path = write_trace(runs, out, wall_clock=args.wall_clock)
+    except OSError as exc:
+        print(f"error: could not write the trace to {out}: {exc}", file=sys.stderr)
+        return Outcome.USAGE
     print(f"trace of {', '.join(loops)} on {args.workload} written to {path}; open it in "
           "https://ui.perfetto.dev (Open trace file) or chrome://tracing")
     for frames in runs:
@@ -282,9 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_options(run_parser)
     run_parser.set_defaults(handler=cmd_run)
     check_parser = commands.add_parser(
-        "check", help="run, then check the five clauses; exit 0 pass, 1 a clause violated, "
+        "check", help="run, then check the clauses (--clauses); exit 0 pass, 1 a clause violated, "
         "2 set-up error, 3 the run did not finish, 4 vacuous (see README)")
     _add_run_options(check_parser)
+    _add_clauses_option(check_parser)
     check_parser.set_defaults(handler=cmd_check)
     status_parser = commands.add_parser(
         "status", help="the measured clause x loop table over the shipped workloads")
@@ -296,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
                                help="apply this patch to every run (repeatable)")
     _add_release_options(status_parser, repeat=True)
     _add_speed_options(status_parser)
+    _add_clauses_option(status_parser)
     status_parser.set_defaults(handler=cmd_status)
     audit_parser = commands.add_parser(
         "audit", help="effects audit: what the torch loops' steps write that mlx does not")

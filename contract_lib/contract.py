@@ -40,6 +40,10 @@ has computed or queued (recorded at the model boundary).
    ``violated-masked``. Readers: ``release_memory_occupation`` (asserts it),
    ``flush_cache``, the health check, HiCache attach/detach, PD role switch.
 
+This project's extensions (clause 2's ``decode_batch_idx``, 6 scheduling clocks advanced,
+7 request state retired) live in :mod:`contract_lib.extensions`; :func:`check` runs the
+set ``clauses="all"`` (default) or ``"rfc"`` (the five as the RFC states them).
+
 Besides the clauses, the report carries SGLang's own KV pool conservation law
 (``available + evictable + protected + uncached == total``, ``InvariantChecker``)
 evaluated at every step boundary, including the drained end state.
@@ -52,6 +56,8 @@ from typing import Any
 
 import pandas as pd
 
+from contract_lib.extensions import (EXTENDED_FIELDS, EXTENSION_CLAUSES, clause_checks,
+                                     origin, sglang_finding)
 from contract_lib.frames import Frames, run_title
 from contract_lib.verdict import Outcome, Verdict, verdict
 
@@ -61,6 +67,7 @@ CLAUSES: dict[int, str] = {
     3: "step stamped",
     4: "relays published or provably unread",
     5: "in-flight predicates test any overlap loop",
+    **EXTENSION_CLAUSES,
 }
 
 HOLDS, VIOLATED, MASKED, NOT_EXERCISED = "holds", "violated", "violated-masked", "not-exercised"
@@ -124,6 +131,7 @@ class Report:
     # Requests SGLang aborted: rid, message, expected (declared by the workload).
     aborted: pd.DataFrame = dataclasses.field(
         default_factory=lambda: pd.DataFrame(columns=ABORTED_COLUMNS))
+    clause_set: str = "all"
 
     @property
     def ok(self) -> bool:
@@ -155,7 +163,8 @@ class Report:
         return pd.concat(frames, ignore_index=True)
 
     def table(self) -> pd.DataFrame:
-        """One row per clause: status, violation count and the first violation."""
+        """One row per clause: status, violation count, the first violation, and where
+        the clause comes from (``RFC #32833`` or ``this project's extensions``)."""
         rows = []
         for number, result in self.clauses.items():
             first = result.first() or {}
@@ -163,7 +172,7 @@ class Report:
                 "clause": number, "name": result.name, "status": result.status,
                 "violations": len(result.violations), "first_step": first.get("step"),
                 "first_field": first.get("field"), "first_rid": first.get("rid"),
-                "note": result.note,
+                "note": result.note, "origin": origin(number),
             })
         return pd.DataFrame(rows)
 
@@ -176,8 +185,14 @@ class Report:
             lines.append(f"  run {meta['status']}: {error['type']}: {error['message']}")
         lines.append("")
         lines.append(f"  {'clause':<48} {'status':<16} violations")
+        section = None
         for number, result in self.clauses.items():
+            if origin(number) != section:
+                section = origin(number)
+                lines.append(f"  [{section}]")
             label = f"{number} {result.name}"
+            if self.clause_set == "all" and number in EXTENDED_FIELDS:
+                label += f" (+ {', '.join(EXTENDED_FIELDS[number])})"
             lines.append(f"  {label:<48} {result.status:<16} {len(result.violations)}")
         leaks = len(self.pool)
         lines.append(f"  {'- KV pool conservation (SGLang InvariantChecker)':<48} "
@@ -187,6 +202,10 @@ class Report:
             if first is not None:
                 lines.append("")
                 lines.append(violation_message(first))
+                finding = sglang_finding(number, result)
+                if finding:
+                    lines.append(f"  (an SGLang-wide finding, not this loop's own: bug "
+                                 f"{finding} in data/bugs.toml)")
             elif result.status == NOT_EXERCISED:
                 lines.append("")
                 lines.append(f"clause {number} ({result.name}): not exercised: {result.note}")
@@ -450,13 +469,16 @@ def check_idle_predicate(frames: Frames) -> ClauseResult:
                             _violations(5, loop, []))
     bad = in_flight[in_flight["idle_probe"].astype(bool)]
     masked = ~bad["is_fully_idle"].astype(bool)
+    # The loop's in-flight work: SGLang's overlap loops queue it in ``result_queue``;
+    # sglang-omni's lookahead holds one launched step in ``async_pending``.
+    queue = "async_pending" if loop == "omni" else "result_queue"
     rows = pd.DataFrame({
-        "field": "result_queue", "step": bad["step"].astype("int64"),
+        "field": queue, "step": bad["step"].astype("int64"),
         "expected": "not idle (in-flight term)",
         "actual": "idle with " + _ints(bad["result_queue_len"]) + " job(s) queued",
         "explanation": pd.Series(
             "the predicate reported idle while work was in flight", index=bad.index).where(
-            ~masked, "the in-flight term ignores this loop's result_queue; the real "
+            ~masked, f"the in-flight term ignores this loop's {queue}; the real "
                      "predicate said busy only because the running/last batch terms did")})
     status = HOLDS if bad.empty else MASKED if masked.all() else VIOLATED
     note = f"{len(in_flight)} steps with in-flight work checked"
@@ -504,22 +526,25 @@ def aborted_requests(frames: Frames) -> pd.DataFrame:
 
 
 
-def check(frames: Frames) -> Report:
-    """Check all five clauses on one run's frames (whatever its status); the report's
-    :meth:`Report.verdict` says whether the run earned a pass."""
+def check(frames: Frames, clauses: str = "all") -> Report:
+    """Check a clause set on one run's frames (whatever its status): ``"all"`` (the
+    RFC's five and this project's extensions) or ``"rfc"`` (the RFC's five only); the
+    report's :meth:`Report.verdict` says whether the run earned a pass."""
+    checks = clause_checks(clauses)
     return Report(meta=dict(frames.meta),
-                  clauses={number: fn(frames) for number, fn in CHECKS.items()},
-                  pool=check_pool(frames), aborted=aborted_requests(frames))
+                  clauses={number: checks[number](frames) for number in sorted(checks)},
+                  pool=check_pool(frames), aborted=aborted_requests(frames),
+                  clause_set=clauses)
 
 
-def assert_contract(frames: Frames) -> Report:
+def assert_contract(frames: Frames, clauses: str = "all") -> Report:
     """Return the report of a run that passes, else raise.
 
     :class:`ContractViolation` for the lowest violated clause (the message starts
     ``clause N (name): field F``, for pytest), even from a run that did not finish;
     otherwise :class:`RunDidNotFinish` (crashed, died, timeout, set-up failure, another
     loop) or :class:`VacuousRun` (no clause exercised, an unexpected aborted request)."""
-    report = check(frames)
+    report = check(frames, clauses)
     for result in report.clauses.values():
         first = result.first()
         if first is not None:

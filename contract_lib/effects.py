@@ -118,14 +118,19 @@ class EffectsRecorder:
         from sglang.srt.managers.scheduler import Scheduler
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-        for cls, kind in [
+        owners = [
             (Scheduler, "Scheduler"), (ScheduleBatch, "ScheduleBatch"), (Req, "Req"),
             (ReqKvInfo, "ReqKvInfo"), (FutureMap, "FutureMap"),
             (type(scheduler.tree_cache), "tree_cache"),
             (type(scheduler.token_to_kv_pool_allocator), "allocator"),
             (type(scheduler.metrics_reporter), "metrics_reporter"),
-            (type(scheduler.profiler_manager), "profiler_manager"),
-        ]:
+        ]
+        if not isinstance(scheduler, Scheduler):  # sglang-omni's OmniScheduler (composition)
+            owners.append((type(scheduler), "Scheduler"))
+        profiler = getattr(scheduler, "profiler_manager", None)  # OmniScheduler has none
+        if profiler is not None:
+            owners.append((type(profiler), "profiler_manager"))
+        for cls, kind in owners:
             self.hook_class(cls, kind)
         self.hook_method(ReqToTokenPool, "write", "ReqToTokenPool", "req_to_token[]")
         self.hook_method(FutureMap, "stash", "FutureMap", "output_tokens_buf[]")

@@ -26,6 +26,11 @@ Tables (pandas DataFrames; the column lists below are the schema):
 - ``effects`` (audit runs only): per step, every attribute written on the contract's
   objects, with the SGLang code location that wrote it and how often
   (:mod:`contract_lib.effects`).
+- ``backend_state``: per step, every entry of the backend's per-request structures
+  (the MLX worker's and runner's dicts and sets keyed by request id): request id,
+  ``structure`` (``tp_worker._mlx_active_rids``, ``tp_worker._mlx_runner._req_caches``,
+  ...) and, for a structure that maps the request to a ``req_to_token`` row, that
+  ``row`` (:class:`contract_lib.capture.BackendStateRecorder`; clause 7).
 - ``kv_syncs`` (``runner="real"`` only): every position written into the MLX attention
   KV pool: step, request, kind (``prefill``, ``extend``, ``release``, ``flush``,
   ``remove``; ``dropped`` for positions a clamped release leaves out), position, slot,
@@ -52,7 +57,7 @@ import pandas as pd
 
 from contract_lib.atomic import atomic_write
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 COLUMNS: dict[str, list[str]] = {
     "steps": [
@@ -60,16 +65,18 @@ COLUMNS: dict[str, list[str]] = {
         "enable_overlap", "enable_overlap_mlx", "running_bs", "running_mode",
         "last_batch_mode", "waiting_len", "kv_total", "kv_available", "kv_evictable",
         "kv_protected", "kv_uncached", "pool_leak", "wall_time",
+        "processed_tokens_counter",
     ],
     "launches": [
         "launch", "step", "loop", "forward_ct", "forward_iter", "launch_ts", "mode",
         "chained", "rids", "processed_step", "processed_forward_iter",
-        "processed_launch_ts",
+        "processed_launch_ts", "prefilled_tokens",
     ],
     "requests": [
         "step", "rid", "prompt_len", "emitted", "finished", "req_pool_idx", "seq_len",
         "kv_computed", "kv_committed_len", "kv_allocated_len", "cache_protected_len",
         "cached_tokens", "finish_reason", "finish_message", "retractions",
+        "decode_batch_idx", "kv_prefilled",
     ],
     "slots": ["step", "rid", "req_pool_idx", "position", "slot", "slot_free", "written"],
     "relay": [
@@ -80,6 +87,7 @@ COLUMNS: dict[str, list[str]] = {
     "effects": ["step", "loop", "object", "field", "location", "count", "changed"],
     "kv_syncs": ["step", "rid", "kind", "position", "slot", "target", "owner"],
     "kv_pool": ["rid", "position", "slot", "verdict", "max_abs_diff"],
+    "backend_state": ["step", "rid", "structure", "row"],
 }
 
 WALL_CLOCK_COLUMNS: dict[str, list[str]] = {

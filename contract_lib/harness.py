@@ -41,7 +41,10 @@ from contract_lib.verdict import LOOP_FUNCTIONS
 from contract_lib.versions import require_supported_sglang, sglang_path
 from contract_lib.workloads import Workload, load_workload
 
-LOOPS = ("normal", "overlap", "mlx")
+LOOPS = ("normal", "overlap", "mlx", "omni")
+# SGLang's own loops: what ``status`` and ``audit`` run by default. ``omni`` is
+# sglang-omni's ``OmniScheduler`` (:mod:`contract_lib.omni`), pinned to SGLang 0.5.22.
+SGLANG_LOOPS = ("normal", "overlap", "mlx")
 # ``model-free``: every loop's forward is a deterministic next-token function
 # (:mod:`contract_lib.shims`). ``real`` (MLX loop only): SGLang's own ``MlxModelRunner``
 # runs the tiny mlx-lm model of :mod:`contract_lib.tiny_model` on MLX's CPU backend, so
@@ -159,6 +162,13 @@ def run(
             "runner 'real' is SGLang's MlxModelRunner, which only the mlx loop uses; the "
             "torch loops stay model-free (compare a real run with "
             "contract_lib.tiny_model.reference_outputs or with the MLX fixed path)")
+    if loop == "omni":
+        from contract_lib.omni import OMNI_SGLANG, OMNI_VERSION
+
+        if sglang not in (None, OMNI_SGLANG):
+            raise RunSetupError(f"loop 'omni' is sglang-omni {OMNI_VERSION}, built on sglang "
+                                f"{OMNI_SGLANG}; it cannot run on sglang {sglang}")
+        sglang = OMNI_SGLANG
     version = require_supported_sglang(sglang)
     if not isinstance(workload, Workload):
         workload = load_workload(workload)
@@ -185,13 +195,21 @@ def run(
         "runner": runner,
     }
     sglang_dir = sglang_path(version)  # installs the release on first use
+    omni_dir = None
+    if loop == "omni":
+        from contract_lib import omni
+
+        omni_dir = omni.omni_path()  # installs sglang-omni on first use
+        spec["omni"] = {"version": omni.OMNI_VERSION, "files": omni.install_stamp(omni_dir)}
+        meta["omni_version"] = omni.OMNI_VERSION
     use_cache = cache and capture and frame_cache.enabled()
     if use_cache:
         run_key = frame_cache.key(spec, sglang_dir)
         hit = frame_cache.load(run_key, meta)
         if hit is not None:
             return hit
-    child_spec = {**spec, "sglang_dir": None if sglang_dir is None else str(sglang_dir)}
+    child_spec = {**spec, "sglang_dir": None if sglang_dir is None else str(sglang_dir),
+                  "omni_dir": None if omni_dir is None else str(omni_dir)}
     if runner == "real":
         child_spec["model_dir"] = str(model_dir)
     frames = _execute(child_spec, meta, hang_timeout, warm, sglang_dir, cancel)
@@ -482,7 +500,8 @@ def child_run(spec: dict[str, Any], conn: Connection) -> None:
         phase = "loop"
         loop_started = time.perf_counter()
         try:
-            scheduler.run_event_loop()
+            # OmniScheduler's entry; ``run_event_loop`` would be SGLang's, bound to it.
+            (scheduler.start if spec["loop"] == "omni" else scheduler.run_event_loop)()
         finally:
             timing["loop_s"] = time.perf_counter() - loop_started
         status, error = "crashed", _error("loop returned without finishing the workload")
@@ -545,9 +564,17 @@ def _build(spec: dict[str, Any], emit, timing: dict[str, float]):
     from contract_lib.patches import apply_patch
 
     holder: dict[str, Recorder] = {}
-    shims.install_torch_model_free_forward(
-        lambda batch, tokens: holder["recorder"].on_torch_launch(batch, tokens))
-    applied.append("torch-model-free-forward")
+
+    def on_launch(batch, tokens: list[int]) -> None:
+        holder["recorder"].on_torch_launch(batch, tokens)
+
+    if loop == "omni":
+        from contract_lib import omni
+
+        applied += omni.install_shims(spec["omni_dir"], on_launch)
+    else:
+        shims.install_torch_model_free_forward(on_launch)
+        applied.append("torch-model-free-forward")
     if loop == "mlx":
         if shims.install_mlx_runtime_gate_shim():
             applied.append("mlx-runtime-gate")
@@ -566,19 +593,25 @@ def _build(spec: dict[str, Any], emit, timing: dict[str, float]):
     if found := problems(_user_server_args(spec), accepted_kinds(ServerArgs)):
         raise RunSetupError("; ".join(found))  # a cold run's parent could not check them
     server_args = ServerArgs(**args)
-    _check_overlap_arg(loop, server_args, args, workload.server_args, spec["server_args"],
-                       ServerArgs)
-    port_args = PortArgs.init_new(server_args)
-    runtime_context.publish(server_args, role="scheduler", ranks=runtime_context.SpawnRanks(
-        world_rank=0, dp_rank=None, gpu_id=0))
-    scheduler_class = shims.scheduler_class_for(loop)
-    if scheduler_class.__name__ != "Scheduler":
-        applied.append("mlx-overlap-mixin")
-    built = time.perf_counter()
-    scheduler = scheduler_class(server_args, port_args)
-    timing["build_s"] = time.perf_counter() - built
-    scheduler.request_receiver = shims.ScriptedReceiver()
-    applied.append("scripted-ingress")
+    if loop == "omni":  # its ModelWorker publishes the runtime context itself
+        built = time.perf_counter()
+        scheduler = omni.build_scheduler(server_args)
+        timing["build_s"] = time.perf_counter() - built
+    else:
+        _check_overlap_arg(loop, server_args, args, workload.server_args,
+                           spec["server_args"], ServerArgs)
+        port_args = PortArgs.init_new(server_args)
+        runtime_context.publish(server_args, role="scheduler",
+                                ranks=runtime_context.SpawnRanks(world_rank=0, dp_rank=None,
+                                                                 gpu_id=0))
+        scheduler_class = shims.scheduler_class_for(loop)
+        if scheduler_class.__name__ != "Scheduler":
+            applied.append("mlx-overlap-mixin")
+        built = time.perf_counter()
+        scheduler = scheduler_class(server_args, port_args)
+        timing["build_s"] = time.perf_counter() - built
+        scheduler.request_receiver = shims.ScriptedReceiver()
+        applied.append("scripted-ingress")
     emit(("meta", {"shims": applied, "expect": workload.expect,
                    "enable_overlap": bool(scheduler.enable_overlap),
                    "enable_overlap_mlx": bool(scheduler.enable_overlap_mlx)}))

@@ -224,6 +224,100 @@ def skip_relay_publish() -> None:
     ], "skip-relay-publish")
 
 
+def prefilled_tokens(batch) -> int:
+    """The tokens a launched batch prefills: ``extend_num_tokens`` of an extend or mixed
+    batch less its decode lanes (``decoding_reqs``, one token each); 0 for any other
+    mode."""
+    if not batch.forward_mode.is_extend() or not batch.extend_num_tokens:
+        return 0
+    return int(batch.extend_num_tokens) - len(batch.decoding_reqs or ())
+
+
+def fix_processed_tokens_counter() -> None:
+    """Clause 6: the HRRN clock advances by exactly the tokens each launch prefills.
+
+    Torch (``run_batch``, every release 0.5.21-0.5.23): ``if batch.extend_num_tokens``
+    also fires on decode batches, whose ``extend_num_tokens`` ``prepare_for_decode``
+    never resets (the last prefill's value is added at every decode step), and on a
+    mixed batch it counts the decode lanes (``decoding_reqs``); the advance is gated on an extend-mode batch
+    and leaves the decode lanes out. MLX (``_prepare_mlx_launch``, fresh and chained):
+    the loop never advanced it; it now does, by the same amount, after the stamps (a
+    wrapper, so it composes with ``no-forward-ct`` / ``no-launch-ts`` applied first).
+    sglang-omni's ``OmniScheduler.stamp_batch_launch`` ("mirror upstream per-forward
+    bookkeeping", loop ``omni``) copies the same lines and gets the same fix.
+    """
+    from sglang.srt.managers.scheduler import Scheduler
+
+    advance = [("if batch.extend_num_tokens:\n"
+                "    self.processed_tokens_counter += batch.extend_num_tokens\n",
+                "if batch.forward_mode.is_extend() and batch.extend_num_tokens:\n"
+                "    self.processed_tokens_counter += batch.extend_num_tokens - len(\n"
+                "        batch.decoding_reqs or ())\n")]
+    patch_source(Scheduler, "run_batch", advance, "fix-processed-tokens-counter")
+    if importlib.util.find_spec("sglang_omni") is not None:  # loop omni: its own copy
+        from sglang_omni.scheduling.omni_scheduler import OmniScheduler
+
+        patch_source(OmniScheduler, "stamp_batch_launch", advance,
+                     "fix-processed-tokens-counter")
+    mixin = _mlx_mixin()
+    stamp = mixin._prepare_mlx_launch
+
+    def _prepare_mlx_launch(self, batch) -> None:
+        stamp(self, batch)
+        self.processed_tokens_counter += prefilled_tokens(batch)
+
+    mixin._prepare_mlx_launch = _prepare_mlx_launch
+
+
+def retire_released_requests(worker) -> None:
+    """Drop the MLX worker's and runner's state of every request it launched that the
+    scheduler has since released (finished, aborted, or retracted: no ``req_to_token``
+    row). Installed on ``MlxTpModelWorker`` by ``fix-backend-state``; called where
+    nothing is in flight (before a fresh launch, at idle)."""
+    launched = worker.__dict__.setdefault("_launched_reqs", {})
+    for rid, req in list(launched.items()):
+        if req.finished() or req.kv.req_pool_idx is None:
+            worker._mlx_runner.remove_request(rid)
+            worker._mlx_active_rids.discard(rid)
+            getattr(worker, "_req_retraction_count", {}).pop(rid, None)
+            del launched[rid]
+
+
+def fix_backend_state() -> None:
+    """Clause 7: the MLX worker retires a released request's state at the next launch
+    of any mode, or when the loop goes idle.
+
+    As shipped, ``MlxTpModelWorker._cleanup_stale_rids`` drops state only at a fresh
+    *decode* launch (an extend launch only adds, a chained one never cleans), and a
+    retracted request's state only when it is re-prefilled
+    (``_drop_state_if_retracted``); at idle nothing is dropped. The fix: before every
+    fresh launch (the MLX loop launches fresh only once every in-flight job is
+    finalized) and in ``Scheduler.on_idle``, :func:`retire_released_requests`.
+    """
+    from sglang.srt.hardware_backend.mlx import tp_worker
+    from sglang.srt.managers.scheduler import Scheduler
+
+    worker = tp_worker.MlxTpModelWorker
+    launch = worker.async_forward_batch_generation_mlx
+    on_idle = Scheduler.on_idle
+
+    def async_forward_batch_generation_mlx(self, batch):
+        retire_released_requests(self)
+        self.__dict__.setdefault("_launched_reqs", {}).update(
+            {req.rid: req for req in batch.reqs})
+        return launch(self, batch)
+
+    def on_idle_retiring(self) -> None:
+        retire = getattr(self.tp_worker, "retire_released_requests", None)
+        if retire is not None:
+            retire()
+        return on_idle(self)
+
+    worker.async_forward_batch_generation_mlx = async_forward_batch_generation_mlx
+    worker.retire_released_requests = retire_released_requests
+    Scheduler.on_idle = on_idle_retiring
+
+
 BUILTIN_PATCHES: dict[str, Patch] = {
     patch.name: patch
     for patch in (
@@ -241,6 +335,12 @@ BUILTIN_PATCHES: dict[str, Patch] = {
         Patch("unclamped-sync", "<= 0.5.21's decode-KV pool sync on 0.5.22+: unclamped, "
               "flushed at every extend launch and at remove_request", unclamped_sync,
               "#30093 reader side (clamped in 0.5.22)"),
+        Patch("fix-processed-tokens-counter", "the HRRN clock advances by the tokens each "
+              "launch prefills (torch run_batch and the MLX launch)",
+              fix_processed_tokens_counter, "processed-tokens-counter (this project)"),
+        Patch("fix-backend-state", "the MLX worker retires a released request's state at "
+              "the next launch or at idle", fix_backend_state,
+              "backend-state (this project)"),
     )
 }
 

@@ -18,6 +18,11 @@ upstream bug of that release), and nothing else in the package replaces SGLang b
 3. **Request ingress**: the zmq receiver becomes a scripted one that hands SGLang real
    ``TokenizedGenerateReqInput`` objects at chosen loop iterations.
 
+The same three, and nothing else, for sglang-omni's ``OmniScheduler`` (loop ``omni``,
+section 6): its platform gates (its CPU platform; unpinned host staging), its model (the
+``ModelWorker``'s runner and the plain-LM ``ModelRunner``'s forward) and its ingress
+(inbox messages and the model's request builder).
+
 The capture hooks in :mod:`contract_lib.capture` only observe (they call through).
 """
 
@@ -224,52 +229,69 @@ def install_torch_model_free_forward(on_launch: Callable[[Any, list[int]], None]
     through the FutureMap; extend: each request's segment) and ``batch.seq_lens``.
     ``on_launch(batch, tokens)`` is the capture hook, called at every forward launch.
     """
-    import torch
-    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
     from sglang.srt.managers.tp_worker import TpModelWorker
-    from sglang.srt.managers.utils import GenerationBatchResult
 
     def _init_model_runner(self) -> None:
-        from sglang.srt.hardware_backend.mlx.model_runner_stub import MlxModelRunnerStub
-        from sglang.srt.runtime_context import get_schedule
-
-        self._model_runner = MlxModelRunnerStub(
-            model_config=self.model_config,
-            mem_fraction_static=get_schedule().mem_fraction_static,
-            gpu_id=self.gpu_id,
-            nccl_port=self.nccl_port,
-            server_args=self.server_args,
-            is_draft_worker=self.is_draft_worker,
+        self._model_runner = bookkeeping_runner(
+            self, is_draft_worker=self.is_draft_worker,
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
-            memory_pool_config=self.memory_pool_config,
-            mlx_pool_size=get_schedule().max_total_tokens,
-        )
+            memory_pool_config=self.memory_pool_config)
 
     def forward_batch_generation(self, batch, *args, **kwargs):
-        input_ids = batch.input_ids.tolist()
-        seq_lens = batch.seq_lens.tolist()
-        if batch.forward_mode.is_decode():
-            last_ids = input_ids
-        else:
-            ends, offset = [], 0
-            for n in batch.extend_lens:
-                offset += n
-                ends.append(offset - 1)
-            last_ids = [input_ids[e] for e in ends]
-            # A mixed batch appends one relayed id per running request after the
-            # prefill segments (``resolve_forward_inputs``).
-            last_ids += input_ids[offset:]
-        tokens = [next_token(t, n) for t, n in zip(last_ids, seq_lens)]
+        tokens = model_free_tokens(batch)
         on_launch(batch, tokens)
-        return GenerationBatchResult(
-            logits_output=LogitsProcessorOutput(next_token_logits=None),
-            next_token_ids=torch.tensor(tokens, dtype=torch.int64),
-            can_run_cuda_graph=False,
-        )
+        return model_free_result(tokens)
 
     TpModelWorker._init_model_runner = _init_model_runner
     TpModelWorker.forward_batch_generation = forward_batch_generation
+
+
+def bookkeeping_runner(worker, **kwargs: Any):
+    """SGLang's ``MlxModelRunnerStub`` for ``worker``: the real ``ReqToTokenPool`` and
+    ``TokenToKVPoolAllocator`` over a zero-byte KV cache, no weights loaded; its pool
+    holds ``max_total_tokens`` slots (``BASE_SERVER_ARGS``)."""
+    from sglang.srt.hardware_backend.mlx.model_runner_stub import MlxModelRunnerStub
+    from sglang.srt.runtime_context import get_schedule
+
+    return MlxModelRunnerStub(
+        model_config=worker.model_config,
+        mem_fraction_static=get_schedule().mem_fraction_static,
+        gpu_id=worker.gpu_id, nccl_port=worker.nccl_port, server_args=worker.server_args,
+        mlx_pool_size=get_schedule().max_total_tokens, **kwargs)
+
+
+def model_free_tokens(batch) -> list[int]:
+    """:func:`next_token` for every request of a launched batch, from the batch's real
+    resolved ``input_ids`` (decode: one id per request, relayed through the FutureMap;
+    extend: each request's segment) and ``seq_lens``."""
+    input_ids = batch.input_ids.tolist()
+    seq_lens = batch.seq_lens.tolist()
+    if batch.forward_mode.is_decode():
+        last_ids = input_ids
+    else:
+        ends, offset = [], 0
+        for n in batch.extend_lens:
+            offset += n
+            ends.append(offset - 1)
+        last_ids = [input_ids[e] for e in ends]
+        # A mixed batch appends one relayed id per running request after the
+        # prefill segments (``resolve_forward_inputs``).
+        last_ids += input_ids[offset:]
+    return [next_token(t, n) for t, n in zip(last_ids, seq_lens)]
+
+
+def model_free_result(tokens: list[int]):
+    """The ``GenerationBatchResult`` a forward that sampled ``tokens`` returns."""
+    import torch
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+    from sglang.srt.managers.utils import GenerationBatchResult
+
+    return GenerationBatchResult(
+        logits_output=LogitsProcessorOutput(next_token_logits=None),
+        next_token_ids=torch.tensor(tokens, dtype=torch.int64),
+        can_run_cuda_graph=False,
+    )
 
 
 class _ModelFreeCache:
@@ -550,3 +572,161 @@ def install_model_free_flush() -> None:
     ``unclamped-sync`` patch restores that call on later releases.
     """
     ModelFreeMlxRunner.flush_all_decode_kv = _model_free_flush_all_decode_kv
+
+
+# --------------------------------------------------------------------------------------
+# 6. sglang-omni's OmniScheduler (loop ``omni``; built by :mod:`contract_lib.omni`).
+# --------------------------------------------------------------------------------------
+
+OMNI_PLATFORM_SPEC_ENV = "SGLANG_OMNI_PLATFORM_SPEC"
+OMNI_CPU_PLATFORM = "sglang_omni.platforms.cpu.CPUOmniPlatform"
+
+
+def install_omni_platform() -> list[str]:
+    """Select sglang-omni's own CPU platform (before ``sglang_omni`` is imported).
+
+    Why: sglang-omni derives its platform from SGLang's (``sglang_omni/platforms``,
+    ``resolve_platform``). On Linux without CUDA SGLang's is the base ``SRTPlatform``
+    (SGLang picks its CPU platform only with ``SGLANG_USE_CPU_ENGINE=1``, which would
+    also switch SGLang itself to its CPU engine, unlike the torch loops), whose
+    ``get_device`` raises ``NotImplementedError``; sglang-omni's ``ModelRunner.__init__``
+    calls it. sglang-omni's own override variable selects its ``CPUOmniPlatform`` and
+    leaves SGLang's platform as the torch loops have it. Not applied where SGLang
+    resolved a real platform (CUDA, MPS, ...) or the variable is already set.
+    """
+    from sglang.srt import platforms
+    from sglang.srt.platforms.interface import SRTPlatform
+
+    if (os.environ.get(OMNI_PLATFORM_SPEC_ENV)
+            or type(platforms.current_platform) is not SRTPlatform):
+        return []
+    os.environ[OMNI_PLATFORM_SPEC_ENV] = OMNI_CPU_PLATFORM
+    return ["omni-cpu-platform"]
+
+
+def install_omni_unpinned_staging() -> list[str]:
+    """Host staging buffers without pinned memory where the platform has none.
+
+    Why: ``ModelRunner.pinned_pingpong`` (sglang-omni) allocates the lookahead's host
+    staging buffers with ``pin_memory=True`` unconditionally, and torch refuses pinned
+    memory without an accelerator ("pin_memory=True requires a CUDA or other accelerator
+    backend"). Where sglang-omni's platform reports no pinned memory, the allocation
+    inside that method is made unpinned: same shape, dtype and ping-pong; a copy into it
+    is then synchronous, which a CPU forward is anyway. Not applied where pinned memory
+    is available.
+    """
+    import torch
+    from sglang_omni.model_runner import base
+    from sglang_omni.platforms import current_platform
+
+    if current_platform.is_pin_memory_available():
+        return []
+    real_empty, real_pingpong = torch.empty, base.ModelRunner.pinned_pingpong
+
+    def unpinned_empty(*args, pin_memory: bool = False, **kwargs):
+        return real_empty(*args, **kwargs)
+
+    def pinned_pingpong(self, *args, **kwargs):
+        with mock.patch.object(base.torch, "empty", unpinned_empty):
+            return real_pingpong(self, *args, **kwargs)
+
+    base.ModelRunner.pinned_pingpong = pinned_pingpong
+    return ["omni-unpinned-staging"]
+
+
+def install_omni_model_free_worker() -> None:
+    """sglang-omni's ``ModelWorker`` builds SGLang's bookkeeping-only runner.
+
+    Why: its ``init_model_runner`` builds ``SGLModelRunner`` (sglang-omni's subclass of
+    SGLang's full ``ModelRunner``), which loads weights and sizes a KV cache from free
+    device memory. :func:`bookkeeping_runner` is what the torch loops use: SGLang's real
+    pools, no weights. The rest of ``ModelWorker.__init__`` (model config, parallel
+    runtime, seed) and of ``create_sglang_infrastructure`` (tree cache) is sglang-omni's.
+    """
+    from sglang_omni.model_runner.model_worker import ModelWorker
+
+    def init_model_runner(self) -> None:
+        self.model_runner = bookkeeping_runner(self, is_draft_worker=False)
+
+    ModelWorker.init_model_runner = init_model_runner
+
+
+def install_omni_model_free_runner(on_launch: Callable[[Any, list[int]], None]) -> None:
+    """sglang-omni's plain-LM ``ModelRunner`` with the model forward replaced.
+
+    Why: ``ModelRunner.prepare_and_forward`` calls the model through
+    ``custom_prefill_forward`` / ``custom_decode_forward`` (sglang-omni's hooks for a
+    model-specific forward; None means ``tp_worker.forward_batch_generation``, the
+    weights and the sampler). Returning :func:`model_free_result` there replaces the
+    forward and the sampling, as on the torch loops. ``build_forward_batch`` keeps its
+    ``(forward_batch, schedule_batch, is_prefill)`` contract with no ``ForwardBatch``
+    (a value sglang-omni's hooks accept): ``ForwardBatch.init_new`` is the model's input
+    (attention backend, KV index translator), which the torch loops' replaced
+    ``TpModelWorker.forward_batch_generation`` builds inside the forward too, and which
+    the bookkeeping runner has none of. Input resolution through the FutureMap (the
+    execution bridge around it), the token publish, the lookahead launch/resolve and
+    ``finalize`` stay sglang-omni's. ``on_launch`` gets the live ``ScheduleBatch``
+    (stamped by ``stamp_batch_launch``) and the tokens.
+    """
+    from sglang_omni.model_runner.base import ModelRunner
+
+    def build_forward_batch(self, scheduler_output):
+        batch = scheduler_output.batch_data
+        if batch is None:
+            return None
+        return None, batch, bool(batch.forward_mode.is_extend())
+
+    def model_free_forward(self, forward_batch, schedule_batch, requests):
+        tokens = model_free_tokens(schedule_batch)
+        on_launch(schedule_batch, tokens)
+        return model_free_result(tokens)
+
+    ModelRunner.build_forward_batch = build_forward_batch
+    ModelRunner.custom_prefill_forward = model_free_forward
+    ModelRunner.custom_decode_forward = model_free_forward
+
+
+def omni_request_message(rid: str, prompt: list[int], max_new_tokens: int):
+    """A ``new_request`` for the scheduler's inbox, as a pipeline stage would put it.
+
+    Why: sglang-omni's ingress is ``OmniScheduler.inbox``, fed by a pipeline ``Stage``
+    that does not exist here. The payload carries the prompt token ids; what it goes
+    through (``recv_requests`` → ``process_input_requests`` → the request builder →
+    ``enqueue_built_request``) is sglang-omni's.
+    """
+    from sglang_omni.proto.request import OmniRequest, StagePayload
+    from sglang_omni.scheduling.message import IncomingMessage
+
+    payload = StagePayload(request_id=rid, request=OmniRequest(
+        inputs=list(prompt), params={"max_new_tokens": max_new_tokens}), data=None)
+    return IncomingMessage(request_id=rid, type="new_request", data=payload)
+
+
+def omni_request_builder(payload):
+    """The request builder: a greedy SGLang ``Req`` over the payload's token ids.
+
+    Why: every sglang-omni model ships its own builder (tokenizer, chat template,
+    multimodal inputs); this is the plain-LM one, written as sglang-omni's own builders
+    write theirs (``models/nemotron_voicechat/request_builders.ar_request``), with the
+    sampling parameters the torch loops' scripted requests carry.
+    """
+    import torch
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang_omni.scheduling.sglang_backend import SGLangARRequestData
+
+    prompt = list(payload.request.inputs)
+    max_new_tokens = int(payload.request.params["max_new_tokens"])
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    params.normalize(None)
+    params.verify(VOCAB_SIZE)
+    req = Req(rid=payload.request_id, origin_input_text="", origin_input_ids=prompt,
+              sampling_params=params, vocab_size=VOCAB_SIZE)
+    return SGLangARRequestData(req=req, input_ids=torch.tensor(prompt, dtype=torch.long),
+                               stage_payload=payload, max_new_tokens=max_new_tokens,
+                               temperature=0.0)
+
+
+def omni_result_adapter(data):
+    """The result a finished request hands to the next stage (none here): its data."""
+    return data

@@ -56,7 +56,9 @@ PRECEDENCE = (Outcome.INTERRUPTED, Outcome.USAGE, Outcome.VIOLATED, Outcome.NOT_
 
 # The SGLang event-loop function each requested loop must enter.
 LOOP_FUNCTIONS = {"normal": "event_loop_normal", "overlap": "event_loop_overlap",
-                  "mlx": "event_loop_overlap_mlx"}
+                  "mlx": "event_loop_overlap_mlx",
+                  # sglang-omni's OmniScheduler: its one-step-lookahead loop.
+                  "omni": "event_loop_async_decode"}
 
 
 @dataclasses.dataclass(frozen=True)

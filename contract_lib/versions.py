@@ -111,48 +111,56 @@ def sglang_path(version: str | None) -> Path | None:
 def install_release(version: str) -> Path:
     """``pip install --no-deps --target <folder> sglang==<version>`` (~8 s, ~200 MB).
 
-    Atomic: pip writes into a temporary sibling folder which is renamed into place when
-    complete, so an interrupted install never leaves a half folder behind. Serialised
-    across threads and processes by a lock file. Raises :class:`SGLangInstallError` with
-    pip's output when pip fails (most often: no network access to PyPI).
+    Raises :class:`SGLangInstallError` with pip's output when pip fails (most often:
+    no network access to PyPI). See :func:`install_target`.
     """
     version = require_supported_sglang(version)
-    folder = release_folder(version)
+    return install_target(release_folder(version), [f"sglang=={version}"],
+                          complete=lambda folder: _complete(folder, version),
+                          label=f"sglang {version}", size_hint="~30 MB download")
+
+
+def install_target(folder: Path, requirements: list[str], *, complete, label: str,
+                   size_hint: str) -> Path:
+    """``pip install --no-deps --target <folder> <requirements>``, once.
+
+    Atomic: pip writes into a temporary sibling folder which is renamed into place when
+    ``complete(tmp)`` holds, so an interrupted install never leaves a half folder behind.
+    Serialised across threads and processes by a lock file in the parent folder.
+    """
     parent = folder.parent
     parent.mkdir(parents=True, exist_ok=True)
     with _INSTALL_LOCK, open(parent / ".install.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if _complete(folder, version):
+        if complete(folder):
             return folder
-        tmp = parent / f".{version}.tmp-{os.getpid()}"
+        tmp = parent / f".{folder.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         command = [sys.executable, "-m", "pip", "install", "--no-deps",
                    "--disable-pip-version-check", "--quiet", "--target", str(tmp),
-                   f"sglang=={version}"]
+                   *requirements]
         started = time.perf_counter()
-        _say(f"contract_lib: installing sglang {version} into {folder} (first use; "
-             "~30 MB download) ...")
+        _say(f"contract_lib: installing {label} into {folder} (first use; {size_hint}) ...")
         try:
             done = subprocess.run(command, capture_output=True, text=True,
                                   timeout=PIP_TIMEOUT_S)
         except subprocess.TimeoutExpired as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             raise SGLangInstallError(
-                f"installing sglang {version} timed out after {PIP_TIMEOUT_S} s "
+                f"installing {label} timed out after {PIP_TIMEOUT_S} s "
                 f"({' '.join(command)}); is PyPI reachable?") from exc
-        if done.returncode != 0 or not _complete(tmp, version):
+        if done.returncode != 0 or not complete(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
             output = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
             raise SGLangInstallError(
-                f"could not install sglang {version} into {folder}: pip exited with "
+                f"could not install {label} into {folder}: pip exited with "
                 f"{done.returncode}. It needs network access to PyPI (or a local index "
-                f"holding the sglang {version} wheel). Command: {' '.join(command)}\n"
+                f"holding {' '.join(requirements)}). Command: {' '.join(command)}\n"
                 f"{output}")
         if folder.exists():  # an incomplete folder left by hand
             shutil.rmtree(folder)
         os.rename(tmp, folder)
-        _say(f"contract_lib: sglang {version} installed in "
-             f"{time.perf_counter() - started:.1f} s")
+        _say(f"contract_lib: {label} installed in {time.perf_counter() - started:.1f} s")
         return folder
 
 

@@ -58,7 +58,7 @@ def test_bug_catalog_replays_name_real_patches_and_workloads():
     import contract_lib
 
     bugs = bug_catalog()
-    assert {b["clause"] for b in bugs} == {1, 2, 3, 4, 5}
+    assert {b["clause"] for b in bugs} == {1, 2, 3, 4, 5, 6, 7}
     for bug in bugs:
         assert {"id", "prs", "clause", "field", "symptom", "flags", "affected",
                 "replay"} <= set(bug)

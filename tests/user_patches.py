@@ -81,3 +81,14 @@ def print_a_lot():
         raise RuntimeError("after a lot of output")
 
     _on_call(action)
+
+
+def omni_forward_raises():
+    """sglang-omni: the (model-free) decode forward raises; OmniScheduler catches it,
+    aborts the batch's requests and carries on (``handle_batch_failure``)."""
+    from sglang_omni.model_runner.base import ModelRunner
+
+    def custom_decode_forward(self, *args, **kwargs):
+        raise RuntimeError("injected decode failure")
+
+    ModelRunner.custom_decode_forward = custom_decode_forward

@@ -1,0 +1,367 @@
+"""This project's extensions of the contract: clause 2's decode_batch_idx, clauses 6 and 7.
+
+Each is seen failing and passing on crafted frames, measured on the three loops, on the
+three supported releases, and judged against every built-in patch.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pandas as pd
+import pytest
+
+import contract_lib
+from contract_lib.cli import main
+from contract_lib.contract import HOLDS, NOT_EXERCISED, VIOLATED, check
+from contract_lib.extensions import EXTENSIONS, RFC, sglang_finding
+from contract_lib.patches import BUILTIN_PATCHES, bug_catalog
+from contract_lib.status import SGLANG_WIDE, Status
+
+WORKLOADS = contract_lib.workload_names()
+ALL_FIXES = ("fix-chained-accounting+fix-idle-predicate+fix-processed-tokens-counter"
+             "+fix-backend-state")
+
+
+def _copy(frames: contract_lib.Frames) -> contract_lib.Frames:
+    return contract_lib.Frames(tables={k: v.copy() for k, v in frames.tables.items()},
+                               meta=copy.deepcopy(frames.meta))
+
+
+def _status(frames, clause, clauses="all"):
+    return check(frames, clauses).clauses[clause].status
+
+
+# -- crafted frames ---------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def torch_good(run_cached):
+    """Torch overlap on two-turn with the HRRN clock fixed: every clause holds."""
+    frames = run_cached("two-turn", "overlap", "fix-processed-tokens-counter")
+    assert check(frames).ok
+    return _copy(frames)
+
+
+@pytest.fixture()
+def mlx_good(run_cached):
+    """MLX on two-turn with state retirement fixed: clause 7 holds."""
+    frames = run_cached("two-turn", "mlx", "fix-backend-state")
+    assert _status(frames, 7) == HOLDS
+    return _copy(frames)
+
+
+def test_decode_batch_idx_fails_when_it_lags(torch_good):
+    r = torch_good.requests
+    row = r[(r.step == 8) & (r.rid == "b")].index[0]
+    torch_good.requests.loc[row, "decode_batch_idx"] -= 1
+    result = check(torch_good).clauses[2]
+    assert result.status == VIOLATED and len(result.violations) == 1
+    first = result.first()
+    assert (first["field"], first["step"], first["rid"]) == ("decode_batch_idx", 8, "b")
+    assert first["expected"] - first["actual"] == 1
+    assert _status(torch_good, 2, "rfc") == HOLDS  # not one of the RFC's fields
+
+
+def test_clause6_fails_on_a_clock_that_runs_ahead_or_lags(torch_good):
+    steps = torch_good.steps
+    ahead = torch_good.steps.copy()
+    ahead.loc[ahead.step >= 9, "processed_tokens_counter"] += 5
+    torch_good.tables["steps"] = ahead
+    result = check(torch_good).clauses[6]
+    assert result.status == VIOLATED and len(result.violations) == 1
+    first = result.first()
+    assert (first["field"], first["step"], first["expected"], first["actual"]) == (
+        "processed_tokens_counter", 9, "+0", "+5")
+    assert sglang_finding(6, result) == "processed-tokens-counter"
+    lag = steps.copy()
+    lag.loc[lag.step >= 1, "processed_tokens_counter"] -= 3
+    torch_good.tables["steps"] = lag
+    result = check(torch_good).clauses[6]
+    assert result.status == VIOLATED and result.first()["step"] == 1
+    assert "missed 3" in result.first()["explanation"]
+    assert sglang_finding(6, result) is None  # a lagging clock is not the catalogued bug
+
+
+def test_clause6_not_exercised_without_a_counter_or_a_launch(torch_good):
+    frames = _copy(torch_good)
+    frames.tables["steps"] = frames.steps.assign(processed_tokens_counter=None)
+    assert check(frames).clauses[6].note == "this SGLang has no processed_tokens_counter"
+    assert _status(frames, 6) == NOT_EXERCISED
+    torch_good.tables["launches"] = torch_good.launches.iloc[0:0]
+    assert _status(torch_good, 6) == NOT_EXERCISED
+
+
+def _add_state(frames, **row):
+    entry = {"step": None, "rid": None, "structure": "tp_worker._mlx_runner._req_caches",
+             "row": None, **row}
+    frames.tables["backend_state"] = pd.concat(
+        [frames.backend_state, pd.DataFrame([entry])], ignore_index=True)
+
+
+def _released_at(frames, rid):
+    r = frames.requests
+    return int(r[(r.rid == rid) & r.finished.astype(bool)].step.min())
+
+
+def test_clause7_fails_on_state_kept_at_idle(mlx_good):
+    last = int(mlx_good.steps.step.max())
+    assert _released_at(mlx_good, "a2") == last  # no launch since: only idleness counts
+    _add_state(mlx_good, step=last, rid="a2")
+    result = check(mlx_good).clauses[7]
+    assert result.status == VIOLATED
+    first = result.first()
+    assert (first["field"], first["step"], first["rid"]) == (
+        "tp_worker._mlx_runner._req_caches", last, "a2")
+    assert "kept while the loop is idle" in first["explanation"]
+
+
+def test_clause7_fails_on_state_kept_after_a_launch(mlx_good):
+    released = _released_at(mlx_good, "c")
+    launches = mlx_good.launches[mlx_good.launches.step >= released]
+    after = int(launches.step.min()) + 1
+    _add_state(mlx_good, step=released, rid="c")  # seen at its release: still in grace
+    assert _status(mlx_good, 7) == HOLDS
+    _add_state(mlx_good, step=after, rid="c")
+    first = check(mlx_good).clauses[7].first()
+    assert (first["step"], first["rid"]) == (after, "c")
+    assert "kept after launch" in first["explanation"]
+
+
+def test_clause7_fails_on_state_for_a_request_the_scheduler_does_not_hold(mlx_good):
+    _add_state(mlx_good, step=5, rid="ghost", structure="tp_worker._mlx_active_rids")
+    first = check(mlx_good).clauses[7].first()
+    assert (first["rid"], first["field"]) == ("ghost", "tp_worker._mlx_active_rids")
+    assert "does not hold" in first["expected"]
+
+
+def test_clause7_fails_on_a_row_the_request_no_longer_holds(mlx_good):
+    r = mlx_good.requests
+    row = int(r[(r.step == 5) & (r.rid == "a")].req_pool_idx.iloc[0])
+    _add_state(mlx_good, step=5, rid="a", structure="tp_worker._mlx_runner._req_pool_idx",
+               row=row)
+    assert _status(mlx_good, 7) == HOLDS
+    _add_state(mlx_good, step=6, rid="a", structure="tp_worker._mlx_runner._req_pool_idx",
+               row=row + 1)
+    first = check(mlx_good).clauses[7].first()
+    assert (first["step"], first["expected"]) == (6, f"row {row} (the scheduler's)")
+
+
+def test_clause7_not_exercised_without_backend_state(mlx_good):
+    mlx_good.tables["backend_state"] = mlx_good.backend_state.iloc[0:0]
+    assert _status(mlx_good, 7) == NOT_EXERCISED
+
+
+def test_report_sections_and_clause_sets(run_cached):
+    frames = run_cached("two-turn", "normal")
+    text = check(frames).text()
+    assert text.index(f"[{RFC}]") < text.index("1 slots recorded")
+    assert text.index(f"[{EXTENSIONS}]") < text.index("6 scheduling clocks advanced")
+    assert "2 counters advanced (+ decode_batch_idx)" in text
+    assert "bug processed-tokens-counter in data/bugs.toml" in text
+    rfc = check(frames, "rfc")
+    assert list(rfc.clauses) == [1, 2, 3, 4, 5] and rfc.ok
+    assert "decode_batch_idx" not in rfc.text() and EXTENSIONS not in rfc.text()
+    with pytest.raises(ValueError, match="unknown clause set"):
+        check(frames, "rfc+")
+
+
+# -- real runs: the three loops ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+def test_torch_loops_on_the_extensions(run_cached, workload, loop):
+    report = check(run_cached(workload, loop))
+    assert report.clauses[2].status == HOLDS  # decode_batch_idx advances on torch
+    six = report.clauses[6]
+    assert six.status == VIOLATED and sglang_finding(6, six) == "processed-tokens-counter"
+    assert report.clauses[7].status == NOT_EXERCISED
+    assert report.clauses[7].note == "the loop's backend kept no per-request state"
+    fixed = check(run_cached(workload, loop, "fix-processed-tokens-counter"))
+    assert fixed.ok and fixed.clauses[6].status == HOLDS
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+def test_mlx_loop_on_the_extensions(run_cached, workload):
+    report = check(run_cached(workload, "mlx"))
+    six, seven = report.clauses[6], report.clauses[7]
+    assert six.status == VIOLATED and sglang_finding(6, six) is None
+    assert set(six.violations["actual"]) == {"+0"}  # the MLX loop never advances it
+    assert seven.status == VIOLATED
+    last = int(run_cached(workload, "mlx").steps.step.max())
+    assert last in set(seven.violations["step"])  # the state outlives the run: idle
+    fixed = check(run_cached(workload, "mlx", ALL_FIXES))
+    expected = {n: HOLDS for n in range(1, 8)}
+    if workload == "mixed-chunk":
+        expected[4] = VIOLATED  # the relay is still never published on MLX
+    assert {n: r.status for n, r in fixed.clauses.items()} == expected
+
+
+def test_decode_batch_idx_lags_on_chained_decode(run_cached):
+    frames = run_cached("two-turn", "mlx")
+    fields = check(frames).clauses[2].violations.groupby("field").size()
+    assert fields["decode_batch_idx"] > 0
+    first_chained = int(frames.launches.query("chained").step.min())
+    bad = check(frames).clauses[2].violations.query("field == 'decode_batch_idx'")
+    assert int(bad.step.min()) == first_chained + 1
+    fixed = check(run_cached("two-turn", "mlx", "fix-chained-accounting")).clauses[2]
+    assert fixed.status == HOLDS
+
+
+def test_memory_pressure_torch_retracts_mlx_does_not(run_cached):
+    def retractions(frames):  # SGLang's own Req.retraction_count, summed over requests
+        return int(frames.requests.groupby("rid")["retractions"].max().sum())
+
+    def peak_computed(frames):
+        r = frames.requests
+        live = r[~r.finished.astype(bool) & r.req_pool_idx.notna()]
+        return int(live.groupby("step").kv_computed.sum().max())
+
+    normal = run_cached("memory-pressure", "normal")
+    pool = int(normal.steps.kv_total.iloc[0])
+    for loop in ("normal", "overlap"):
+        frames = run_cached("memory-pressure", loop)
+        assert retractions(frames) > 0 and peak_computed(frames) <= pool
+        assert check(frames, "rfc").ok
+    mlx = run_cached("memory-pressure", "mlx")
+    assert retractions(mlx) == 0 and peak_computed(mlx) > pool
+    fixed = run_cached("memory-pressure", "mlx", "fix-chained-accounting")
+    assert retractions(fixed) == retractions(normal) and peak_computed(fixed) <= pool
+    for frames in (mlx, fixed):
+        assert frames.output_tokens() == normal.output_tokens()
+    assert check(run_cached("memory-pressure", "mlx", ALL_FIXES)).ok
+
+
+# -- every built-in patch judged against clauses 6 and 7 --------------------------------------
+
+# patch -> (clause 6, clause 7) on two-turn on the MLX loop. On the torch loops clause 6 is
+# the catalogued SGLang-wide bug unless the patch fixes it, and clause 7 is not exercised
+# (they keep no backend state).
+JUDGED = {
+    "no-forward-ct": ("violated", "violated"),
+    "no-launch-ts": ("violated", NOT_EXERCISED),  # crashes at the first processed batch
+    "fix-chained-accounting": ("violated", "violated"),
+    "fix-idle-predicate": ("violated", "violated"),
+    "skip-relay-publish": ("violated", "violated"),
+    "unclamped-sync": ("violated", "violated"),
+    "fix-processed-tokens-counter": (HOLDS, "violated"),
+    "fix-backend-state": ("violated", HOLDS),
+}
+
+
+def test_every_builtin_patch_is_judged():
+    assert set(JUDGED) == set(BUILTIN_PATCHES)
+
+
+@pytest.mark.parametrize("patch", sorted(JUDGED))
+def test_builtin_patch_against_clauses_6_and_7(run_cached, patch):
+    mlx = check(run_cached("two-turn", "mlx", patch))
+    assert (mlx.clauses[6].status, mlx.clauses[7].status) == JUDGED[patch]
+    torch = check(run_cached("two-turn", "overlap", patch))
+    six = torch.clauses[6]
+    if patch == "fix-processed-tokens-counter":
+        assert six.status == HOLDS
+    else:
+        assert sglang_finding(6, six) == "processed-tokens-counter"
+    assert torch.clauses[7].status == NOT_EXERCISED
+
+
+def test_unclamped_sync_keeps_the_row_mapping_too(run_cached):
+    base = check(run_cached("two-turn", "mlx")).clauses[7].violations
+    kept = check(run_cached("two-turn", "mlx", "unclamped-sync")).clauses[7].violations
+    assert "tp_worker._mlx_runner._req_pool_idx" not in set(base.field)
+    assert "tp_worker._mlx_runner._req_pool_idx" in set(kept.field)
+
+
+# -- releases and the real runner -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", ["0.5.21", "0.5.22"])
+def test_extensions_on_older_releases(run_cached, version):
+    torch = check(run_cached("two-turn", "overlap", sglang=version))
+    assert sglang_finding(6, torch.clauses[6]) == "processed-tokens-counter"
+    mlx = check(run_cached("two-turn", "mlx", sglang=version))
+    assert mlx.clauses[6].status == VIOLATED and mlx.clauses[7].status == VIOLATED
+    fixed = check(run_cached("two-turn", "mlx", ALL_FIXES, sglang=version))
+    assert fixed.ok
+
+
+def test_backend_state_fix_with_the_real_runner(run_cached):
+    red = run_cached("two-turn", "mlx", runner="real")
+    green = run_cached("two-turn", "mlx", "fix-backend-state", runner="real")
+    assert check(red).clauses[7].status == VIOLATED
+    assert check(green).clauses[7].status == HOLDS
+    assert green.output_tokens() == red.output_tokens()
+
+
+# -- status and check ---------------------------------------------------------------------------
+
+
+def test_status_shows_the_sglang_wide_bug_without_failing_the_reference_gate(run_cached):
+    reports = {(w, loop): check(run_cached(w, loop)) for w in ("two-turn", "single-decode")
+               for loop in ("normal", "overlap", "mlx")}
+    status = Status(reports)
+    table = status.table()
+    six = "6 scheduling clocks advanced"
+    assert table.loc[six, "normal"] == f"{SGLANG_WIDE} (2/2)"
+    assert table.loc[six, "mlx"] == "violated (2/2)"
+    assert status.reference_violations().empty
+    assert set(status.sglang_findings().loop) == {"normal", "overlap"}
+    text = status.text()
+    assert text.index(f"[{RFC}]") < text.index(f"[{EXTENSIONS}]") < text.index(six)
+    assert "2 counters advanced (+ decode_batch_idx)" in text
+    # a torch clause-6 violation that is not the catalogued bug still fails the gate
+    lag = _copy(run_cached("two-turn", "normal", "fix-processed-tokens-counter"))
+    lag.tables["steps"] = lag.steps.assign(processed_tokens_counter=0)
+    reports[("two-turn", "normal")] = check(lag)
+    assert list(Status(reports).reference_violations().clause) == [6]
+
+
+def test_sglang_wide_findings_are_catalogued():
+    bugs = {bug["id"]: bug for bug in bug_catalog()}
+    bug = bugs["processed-tokens-counter"]
+    assert bug["clause"] == 6 and set(bug["loops"]) == {"normal", "overlap", "omni"}
+    assert bugs["backend-state"]["clause"] == 7
+
+
+def test_check_exit_codes_by_clause_set(capsys):
+    args = ["check", "--loop", "normal", "--workload", "single-decode", "--out", "/dev/null"]
+    assert main(args) == 1  # clause 6: the torch loops' own HRRN clock
+    assert "clause 6 (scheduling clocks advanced): field processed_tokens_counter" in (
+        capsys.readouterr().out)
+    assert main(args + ["--clauses", "rfc"]) == 0
+    assert main(args + ["--patch", "fix-processed-tokens-counter"]) == 0
+
+
+def test_an_unknown_clause_set_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["check", "--loop", "normal", "--workload", "single-decode", "--clauses", "6"])
+    assert exited.value.code == 2
+    assert "invalid choice: '6'" in capsys.readouterr().err
+
+
+def test_frames_without_the_extension_tables_are_not_exercised(torch_good):
+    """Frames recorded before the extensions (no backend_state table, no counter or
+    decode_batch_idx column) check as not exercised, with the reason, never as holds."""
+    del torch_good.tables["backend_state"]
+    torch_good.tables["steps"] = torch_good.steps.drop(columns="processed_tokens_counter")
+    torch_good.tables["requests"] = torch_good.requests.drop(
+        columns=["decode_batch_idx", "kv_prefilled"])
+    report = check(torch_good)
+    assert report.clauses[6].status == NOT_EXERCISED
+    assert report.clauses[7].status == NOT_EXERCISED
+    assert report.clauses[2].status == HOLDS  # the RFC's three counters still checked
+
+
+@pytest.mark.parametrize("workload", ["two-turn", "mixed-chunk"])
+def test_omni_copies_the_clock_bug_and_the_fix_covers_it(run_cached, workload):
+    """sglang-omni's OmniScheduler.stamp_batch_launch copies run_batch's counter lines:
+    the same SGLang-wide finding; fix-processed-tokens-counter patches that copy too.
+    Its ModelWorker keeps no per-request state: clause 7 is not exercised."""
+    report = check(run_cached(workload, "omni"))
+    assert sglang_finding(6, report.clauses[6]) == "processed-tokens-counter"
+    assert report.clauses[7].status == NOT_EXERCISED
+    assert report.clauses[2].status == HOLDS
+    fixed = check(run_cached(workload, "omni", "fix-processed-tokens-counter"))
+    assert fixed.clauses[6].status == HOLDS
