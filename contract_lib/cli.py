@@ -249,7 +249,7 @@ def cmd_search(args) -> int:
         raise RunSetupError("--budget and --seeds must be at least 1")
     patch = "+".join(args.patch) if args.patch else None
     campaigns = [Campaign(args.loop, patch, args.clause, args.budget, args.seed + k,
-                          shrink_budget=args.shrink_budget, database=not args.no_database,
+                          clauses=args.clauses, shrink_budget=args.shrink_budget, database=not args.no_database,
                           cache=not args.no_cache) for k in range(args.seeds)]
     bar = tqdm(total=args.budget * args.seeds, desc=f"search {args.loop}", unit="run",
                file=sys.stderr, leave=False)
@@ -360,6 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     search_parser.add_argument("--clause", type=int, choices=range(1, 8), metavar="N",
                                help="count only violations of clause N (crashes and unequal "
                                "tokens still count)")
+    search_parser.add_argument("--clauses", choices=CLAUSE_SETS, default="all",
+                               help="the clause set checked, as for check (a catalogued "
+                               "SGLang-wide violation the torch loops share is no finding)")
     search_parser.add_argument("--budget", type=int, default=100,
                                help="examples to generate before giving up (default 100)")
     search_parser.add_argument("--shrink-budget", type=int, default=150,

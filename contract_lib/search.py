@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import threading
 from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
@@ -32,15 +31,17 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.errors import Unsatisfiable
 
 from contract_lib.contract import check, violation_message
+from contract_lib.extensions import sglang_finding
 from contract_lib.frames import Frames
 from contract_lib.harness import run
 from contract_lib.patches import patch_spec
 from contract_lib.verdict import loop_mismatch, setup_failed
 from contract_lib.workloads import Workload
+# The minimal workload's file: re-exported here, where campaigns are run.
+from contract_lib.found import FOUND_DIR, to_toml, workload_size, write_found  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 DATABASE_DIR = ROOT / ".cache" / "hypothesis-search"
-FOUND_DIR = ROOT / "data" / "workloads" / "found"
 
 # Deterministic policies only ("random" would make frames differ between runs);
 # "routing-key" needs routing keys the workload format does not have.
@@ -83,6 +84,7 @@ class Campaign:
     clause: int | None = None
     budget: int = 100
     seed: int = 0
+    clauses: str = "all"       # the clause set checked: "all" or "rfc"
     shrink_budget: int = 150   # runs allowed after the first finding
     database: bool = True
     cache: bool = True
@@ -187,17 +189,20 @@ def _server_args(draw, longest: int) -> dict[str, Any]:
 # -- judging ---------------------------------------------------------------------------
 
 
-def judge(frames: Frames, reference: Frames | None, clause: int | None) -> Finding | None:
+def judge(frames: Frames, reference: Frames | None, clause: int | None,
+          clauses: str = "all") -> Finding | None:
     """The finding a run shows, or None. ``reference``: the unpatched torch normal loop on
-    the same workload (None: no token comparison)."""
-    report = check(frames)
-    violations = report.violations
-    if clause is not None:
-        violations = violations[violations["clause"] == clause]
-    if not violations.empty:
-        first = violations.iloc[0].to_dict()
-        return Finding("violation", violation_message(first), int(first["clause"]),
-                       first["field"], int(first["step"]))
+    the same workload (None: no token comparison). ``clauses``: the clause set checked
+    (``all`` or ``rfc``); a violation that is exactly a catalogued SGLang-wide bug (the
+    torch loops' own clause 6, :func:`contract_lib.extensions.sglang_finding`) is not a
+    finding: it is what the reference loops do too."""
+    for number, result in check(frames, clauses).clauses.items():
+        if (clause is not None and number != clause) or result.violations.empty \
+                or sglang_finding(number, result):
+            continue
+        first = result.first()
+        return Finding("violation", violation_message(first), number, first["field"],
+                       int(first["step"]))
     if frames.status != "finished":
         error = frames.error or {}
         return Finding("not-finished", f"the run {frames.status} after "
@@ -213,7 +218,7 @@ def judge(frames: Frames, reference: Frames | None, clause: int | None) -> Findi
     return None
 
 
-def _discarded(frames: Frames) -> str | None:
+def _discarded(frames: Frames, clauses: str) -> str | None:
     """Why a generated run proves nothing either way (set-up error, another loop, vacuous)."""
     if setup_failed(frames.meta):
         error = frames.error or {}
@@ -221,7 +226,7 @@ def _discarded(frames: Frames) -> str | None:
     mismatch = loop_mismatch(frames.meta)
     if mismatch:
         return mismatch
-    if frames.status == "finished" and check(frames).vacuity():
+    if frames.status == "finished" and check(frames, clauses).vacuity():
         return "vacuous"
     return None
 
@@ -308,16 +313,25 @@ def _evaluate(campaign: Campaign, workload: Workload,
     kwargs = {"patch": campaign.patch, "cache": campaign.cache}
     ours = executor.submit(run, workload, campaign.loop, **kwargs)
     needs_reference = campaign.loop != REFERENCE_LOOP or campaign.patch
-    theirs = (executor.submit(run, workload, REFERENCE_LOOP, cache=campaign.cache)
-              if needs_reference else None)
+    theirs = (executor.submit(run, workload, REFERENCE_LOOP, cache=campaign.cache,
+                              sglang=_release(campaign.loop)) if needs_reference else None)
     frames = ours.result()
     reference = theirs.result() if theirs else None
-    why = _discarded(frames)
+    why = _discarded(frames, campaign.clauses)
     if why:
         if why != "vacuous":
             campaign.setup_errors.append(why)
         return why
-    return judge(frames, reference, campaign.clause)
+    return judge(frames, reference, campaign.clause, campaign.clauses)
+
+
+def _release(loop: str) -> str | None:
+    """The SGLang release a loop runs on (the reference runs on the same one)."""
+    if loop == "omni":
+        from contract_lib.omni import OMNI_SGLANG
+
+        return OMNI_SGLANG
+    return None
 
 
 def search_many(campaigns: list[Campaign], executor: Executor | None = None,
@@ -339,59 +353,3 @@ def search_many(campaigns: list[Campaign], executor: Executor | None = None,
         threads.shutdown(wait=True, cancel_futures=True)
         if own:
             executor.shutdown(wait=True)
-
-
-# -- the found workload ----------------------------------------------------------------
-
-
-def workload_size(workload: Workload) -> dict[str, int]:
-    """How big a workload is: requests, prompt tokens, new tokens, server-arg overrides."""
-    return {"requests": len(workload.requests),
-            "prompt_tokens": sum(len(r.prompt) for r in workload.requests),
-            "new_tokens": sum(r.max_new_tokens for r in workload.requests),
-            "server_args": len(workload.server_args)}
-
-
-def to_toml(workload: Workload, header: list[str]) -> str:
-    """The workload as a TOML file (``#`` header lines first) that :func:`load_workload`
-    reads back to the same workload."""
-    lines = [f"# {line}" if line else "#" for line in header]
-    lines += [f"name = {_toml(workload.name)}", f"max_steps = {workload.max_steps}"]
-    if workload.description:
-        lines.append(f"description = {_toml(workload.description)}")
-    if workload.server_args:
-        lines += ["", "[server_args]"]
-        lines += [f"{k} = {_toml(v)}" for k, v in workload.server_args.items()]
-    for spec in workload.requests:
-        lines += ["", "[[requests]]", f"rid = {_toml(spec.rid)}"]
-        if spec.turn_of:
-            lines.append(f"turn_of = {_toml(spec.turn_of)}")
-        lines += [f"prompt = {_toml(list(spec.prompt))}",
-                  f"max_new_tokens = {spec.max_new_tokens}", f"arrival = {spec.arrival}"]
-    return "\n".join(lines) + "\n"
-
-
-def _toml(value: Any) -> str:
-    if isinstance(value, (bool, str)):
-        return json.dumps(value)  # JSON's true/false and escaped strings are TOML's
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    return repr(value)
-
-
-def write_found(campaign: Campaign, directory: Path = FOUND_DIR) -> Path:
-    """Save the campaign's minimal workload as ``<directory>/<slug>.toml`` with a header
-    stating the command, the finding and its line."""
-    workload, finding = campaign.found
-    named = dataclasses.replace(workload, name=campaign.slug)
-    where = ", ".join(f"{k} {v}" for k, v in (("clause", finding.clause),
-                      ("field", finding.field), ("step", finding.step)) if v is not None)
-    header = [f"found by: {campaign.command()}",
-              f"finding: {finding.kind}{f' ({where})' if where else ''}",
-              " ".join(finding.line.split()),
-              f"{campaign.examples} examples tried, {campaign.runs} workloads run in all "
-              "(generation and shrinking)", ""]
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{campaign.slug}.toml"
-    path.write_text(to_toml(named, header))
-    return path

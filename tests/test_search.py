@@ -66,7 +66,7 @@ def test_builtin_bugs_are_found_and_shrunk(loop, patch, clause, expected, field)
     assert workload.requests[0].max_new_tokens <= 3 and len(workload.requests[0].prompt) == 1
     # The minimal workload shows the clause on its own run, and not on the torch loop.
     assert not check(contract_lib.run(workload, loop, patch=patch)).clauses[expected].violations.empty
-    assert check(contract_lib.run(workload, "normal")).verdict().code == 0
+    assert check(contract_lib.run(workload, "normal"), "rfc").verdict().code == 0
 
 
 def test_a_held_out_patch_of_the_torch_loop_is_found():
