@@ -169,3 +169,15 @@ def test_a_set_stop_event_ends_the_campaign_before_its_next_run():
     with pytest.raises(KeyboardInterrupt):
         search(campaign, stop=stop)
     assert campaign.runs == 0
+
+
+def test_cli_dask_option_runs_on_the_given_scheduler(tmp_path):
+    distributed = pytest.importorskip("distributed")
+    with distributed.LocalCluster(processes=False, n_workers=1, threads_per_worker=2,
+                                  dashboard_address=None) as cluster:
+        code = main(["search", "--loop", "mlx", "--patch", "no-forward-ct", "--clause", "3",
+                     "--budget", "3", "--no-database", "--out", str(tmp_path),
+                     "--dask", cluster.scheduler_address])
+        assert code == 1
+        # The runs were computed on the cluster (tasks named after contract_lib.run).
+        assert cluster.scheduler.task_prefixes["run"].all_durations["compute"] > 0
