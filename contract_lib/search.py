@@ -259,8 +259,8 @@ def search(campaign: Campaign, executor: Executor | None = None,
             campaign.runs += 1
             if len(campaign.setup_errors) == campaign.runs == SETUP_PROBES:
                 raise _SetupAbort(f"the first {SETUP_PROBES} generated runs on --loop "
-                                       f"{campaign.loop} all failed in set-up; the first: "
-                                       f"{campaign.setup_errors[0]}")
+                                  f"{campaign.loop} all failed in set-up; the first: "
+                                  f"{campaign.setup_errors[0]}")
             if progress:
                 progress("shrink" if locked else "generate", campaign.runs)
         return memo[key]
