@@ -44,22 +44,57 @@
 # | 4 | **relays published or provably unread** | `future_map.output_tokens_buf` | `resolve_forward_inputs` | a mixed batch reads never-written memory (segfault on MPS) |
 # | 5 | **in-flight predicates test any overlap loop** | `result_queue` term of `is_fully_idle` | `release_memory_occupation`, `flush_cache`, health check | "idle" with a job in flight |
 #
+# This project adds two clauses and one field that the effects audit
+# ([07](07-effects-audit.ipynb)) found beyond the RFC, checked by default
+# (`contract_lib/extensions.py`; `check(frames, clauses="rfc")` checks the RFC's five only):
+# clause 2 also covers `Req.decode_batch_idx`; **6 scheduling clocks advanced**
+# (`processed_tokens_counter`, HRRN's clock); **7 request state retired** (the backend's
+# per-request structures let go of released requests).
+#
 # `docs/contract.md` gives the exact check for each clause. Each check compares the
 # scheduler's fields with a ground truth recorded at the model boundary. The main one is
 # `kv_computed`: how many positions of a request a launched forward has computed.
+#
+# ## Words used in every notebook
+#
+# - **Radix (prefix) cache**: SGLang's tree of token prefixes whose KV is kept after a
+#   request finishes (`mem_cache/`). A later request whose prompt starts with a cached
+#   prefix reuses that KV (`cached_tokens`) instead of computing it again.
+# - **KV slot** vs **request row**: the KV pool is an array of slots, one position's KV
+#   each. `req_to_token` is a table with one **row** per live request
+#   (`req_pool_idx`); entry `req_to_token[row, p]` names the slot holding position `p`'s
+#   KV. Slot 0 is padding and never holds real KV. A finished request's row is handed to
+#   the next request.
+# - **Extend / prefill / decode / mixed batch**: a *prefill* computes a prompt's KV; SGLang
+#   calls a prefill that continues a cached prefix an *extend* (the forward mode of both
+#   is `extend`). A *decode* computes one new position per request. A *mixed* batch
+#   (`--enable-mixed-chunk`) runs a prefill chunk and the running decodes together.
+# - **Launch** and **step**: a *launch* hands one batch to the forward; a *step* is one
+#   iteration of the scheduler loop, from one `ingest_requests` to the next, where the
+#   suite records the frames. A step can make zero, one or two launches (below).
+# - **Chained launch**: on the MLX loop, a decode built directly on the previous
+#   launch's still-lazy output tokens (`_launch_chained`), without going back through
+#   `get_next_batch_to_run` and `prepare_for_decode`. A **fresh** launch goes through them.
+# - **`kv_computed`**: ground truth recorded at the model boundary: how many positions
+#   of a request launched forwards have computed (or queued) KV for.
+# - **`kv_committed_len`**, **`kv_allocated_len`**, **`seq_lens`**: the scheduler's own
+#   counts of the same positions (committed to the request, allocated for it, in the
+#   batch). **`owned_kv_len()`** is what a finished request hands to the radix cache,
+#   bounded by `kv_committed_len`.
+# - **`cache_protected_len`**: the length of the prefix a request shares with the radix
+#   cache (its slots belong to the tree; clause 1 allows two requests the same slot there).
+# - **Relay row**: `future_map.output_tokens_buf[row]`, where an overlap loop publishes a
+#   request's newest token so the next launch can read it before the previous one is
+#   processed (clause 4).
 
 # %%
 # %matplotlib inline
-import warnings
-
-# Deprecation notices differ between library versions and nbval compares stderr.
-for category in (DeprecationWarning, FutureWarning):
-    warnings.simplefilter("ignore", category)
-
 import contract_lib
-from contract_lib import plots
+from contract_lib import views
 from contract_lib.contract import check
 from contract_lib.status import status
+
+views.setup()
 
 # %% [markdown]
 # ## Two loops, one workload
@@ -72,9 +107,11 @@ from contract_lib.status import status
 # %%
 overlap = contract_lib.run("two-turn", "overlap")
 mlx = contract_lib.run("two-turn", "mlx")
-print(plots.crash_summary(overlap))
-print(plots.crash_summary(mlx))
+print(views.crash_summary(overlap))
+print(views.crash_summary(mlx))
 print("same tokens on both loops:", overlap.output_tokens() == mlx.output_tokens())
+print(views.verdict_line(overlap))
+print(views.verdict_line(mlx))
 
 # %% [markdown]
 # The tokens match, but the two loops do different things at each step. On the torch
@@ -85,23 +122,46 @@ print("same tokens on both loops:", overlap.output_tokens() == mlx.output_tokens
 # step's still-lazy tokens (`_launch_chained`) and skips all of that bookkeeping.
 
 # %%
-plots.launch_timeline(overlap, mlx)
+views.launch_timeline(overlap, mlx)
+
+# %% [markdown]
+# One MLX step has **two launches**. `event_loop_overlap_mlx` builds the chained launch
+# *before* it blocks on the previous one's tokens (that is how it keeps the device busy).
+# If processing those tokens finishes a request, the chained launch's batch is out of
+# date: the loop finalises it at once and then schedules a fresh batch through
+# `get_next_batch_to_run`, in the same iteration. On this run:
+
+# %%
+per_step = mlx.launches.groupby("step")["launch"].count()
+double = per_step[per_step > 1].index.tolist()
+lines = []
+for step in double:
+    launched = mlx.launches[mlx.launches["step"] == step]
+    done = mlx.requests[(mlx.requests["step"] == step + 1) & mlx.requests["finished"]
+                        & ~mlx.requests["rid"].isin(
+                            mlx.requests[(mlx.requests["step"] == step)
+                                         & mlx.requests["finished"]]["rid"])]["rid"]
+    kinds = " then ".join(f"a {'chained' if r.chained else 'fresh'} {r.mode} of {r.rids}"
+                          for r in launched.itertuples())
+    lines.append(f"step {step}: {kinds}; finished there: {', '.join(done) or 'none'}")
+views.md("Steps with two launches: " + ("; ".join(lines) if lines else "none") + ".")
 
 # %% [markdown]
 # Checking the contract on both runs shows what the chained steps leave behind:
 
 # %%
 for frames in (overlap, mlx):
-    print(plots.run_label(frames))
-    print(plots.text_table(plots.report_table(check(frames))))
+    print(views.run_label(frames))
+    print(views.text_table(views.report_table(check(frames))))
     print()
 
 # %% [markdown]
 # ## The measured clause × loop table for the installed SGLang
 #
-# Every shipped workload (`single-decode`, `two-turn`, `staggered`, `finish-mid-chain`,
-# `mixed-chunk`) runs through every loop and is checked. Each cell shows the worst status
-# over the five workloads, and how many workloads show it. `violated-masked` means the
+# Every shipped workload (`contract_lib.workload_names()`) runs through every loop and is
+# checked. Each cell shows the worst status over the workloads, and how many workloads
+# show it. `sglang-wide bug` marks a violation on the torch loops too that is a catalogued
+# SGLang bug (`data/bugs.toml`), not a torch-loop failure. `violated-masked` means the
 # reader got the right answer only because another term of the predicate did.
 # `not-exercised` means the run never reached what the clause is about (the `normal` loop
 # has nothing in flight).
@@ -111,9 +171,42 @@ measured = status(progress=False)
 print(measured.text())
 
 # %% [markdown]
-# On 0.5.23 the torch loops satisfy every clause, and so does clause 3 on MLX (fixed by
+# On 0.5.23 the torch loops satisfy every RFC clause (clause 6 is the SGLang-wide clock
+# bug on every loop, [07](07-effects-audit.ipynb)), and so does clause 3 on MLX (fixed by
 # #29217 and #32447). Clauses 1, 2 and 5 are open on MLX on every workload, and clause 4
-# is open on MLX wherever a mixed batch reads the relay (`mixed-chunk`).
+# is open on MLX wherever a mixed batch reads the relay (`mixed-chunk`). The assertion
+# below keeps that paragraph true:
+
+# %%
+cells = measured.per_run()
+rfc = cells[cells["clause"] <= 5]
+torch_bad = rfc[rfc["loop"].isin(["normal", "overlap"])
+                & rfc["status"].isin(["violated", "violated-masked"])]
+assert torch_bad.empty, torch_bad
+on_mlx = rfc[rfc["loop"] == "mlx"].pivot(index="workload", columns="clause", values="status")
+assert (on_mlx[3] == "holds").all()
+assert on_mlx[[1, 2, 5]].isin(["violated", "violated-masked"]).all().all()
+assert on_mlx.index[on_mlx[4] == "violated"].tolist() == ["mixed-chunk"]
+
+# %% [markdown]
+# ## The same table with the candidate fixes
+#
+# `fix-chained-accounting` (every chained step runs `prepare_for_decode`, the approach of
+# #33874 and #40046) and `fix-idle-predicate` (`is_fully_idle` tests the MLX queue, #32934)
+# are not merged. With both applied to every run:
+
+# %%
+patched = status(patch="fix-chained-accounting+fix-idle-predicate", progress=False)
+print(patched.text())
+
+# %%
+cells = patched.per_run()
+on_mlx = cells[(cells["loop"] == "mlx") & (cells["clause"] <= 5)].pivot(
+    index="workload", columns="clause", values="status")
+# Clauses 1 and 2 (and 5) hold on every shipped workload with the fixes; clause 4 stays
+# open on mixed-chunk: nothing publishes the relay on MLX.
+assert not on_mlx[[1, 2, 3, 5]].isin(["violated", "violated-masked"]).any().any()
+assert on_mlx.index[on_mlx[4] == "violated"].tolist() == ["mixed-chunk"]
 #
 # ## Reading order
 #
@@ -122,12 +215,15 @@ print(measured.text())
 # state (green, or red where 0.5.23 still has the bug):
 #
 # 1. [01 — slots recorded](01-slots.ipynb): `req_to_token` on chained decode (#30093, #30147). Open on MLX.
-# 2. [02 — counters advanced](02-counters.ipynb): `seq_lens` / `kv_committed_len` lag, and the radix reuse it costs (#30093, #33874, #40046). Open on MLX.
+# 2. [02 — counters advanced](02-counters.ipynb): `seq_lens` / `kv_committed_len` lag, the radix reuse it costs (#30093, #33874, #40046), and what the loops do under memory pressure. Open on MLX.
 # 3. [03 — step stamped](03-step-stamps.ipynb): `forward_ct` (#29217) and `launch_ts` (#32245 → #32447). Fixed; replayed with patches.
 # 4. [04 — relays published or provably unread](04-relay.ipynb): the mixed-chunk relay read (#32591). Open on MLX.
 # 5. [05 — in-flight predicates](05-idle-predicate.ipynb): `is_fully_idle` on the MLX queue (#32934). Open (masked) on MLX.
-# 6. [06 — triage](06-triage.ipynb): a parameterised notebook for a new run (workload, loop, patch): the first violated clause and field, the frames around it, and a step explorer.
-# 7. [07 — effects audit](07-effects-audit.ipynb): what the MLX loop's steps do not write that the torch loops' do, found without being told; two fields no clause covers yet (`processed_tokens_counter`, `decode_batch_idx`).
+# 6. [06 — triage](06-triage.ipynb): a parameterised notebook for a new run (workload, loop, patch, runner, release): the verdict, the first violated clause and field, that clause's own view, a comparison with the unpatched run and the torch loops, and a step explorer.
+# 7. [07 — effects audit](07-effects-audit.ipynb): what the MLX loop's steps do not write that the torch loops' do, found without being told; the fields no RFC clause covers, and this project's extension clauses.
+# 8. [08 — wrong output](08-wrong-output.ipynb): clause 1 end to end with SGLang's real `MlxModelRunner` and a tiny local model: where the unrecorded positions' KV went on 0.5.21, 0.5.22 and 0.5.23, and the wrong tokens it caused.
+# 9. [09 — omni](09-omni.ipynb): the same contract on a loop from outside SGLang, sglang-omni's `OmniScheduler`.
+# 10. [10 — search](10-search.ipynb): searching for workloads that break a clause, rather than writing them by hand.
 #
 # Read 01 and 02 together, since they share a root cause: chained decode skips
 # `prepare_for_decode`. 03 is the fixed clause and shows what a regression looks like.

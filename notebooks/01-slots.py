@@ -47,17 +47,13 @@
 
 # %%
 # %matplotlib inline
-import warnings
-
-# Deprecation notices differ between library versions and nbval compares stderr.
-for category in (DeprecationWarning, FutureWarning):
-    warnings.simplefilter("ignore", category)
-
 import contract_lib
-from contract_lib import plots
+from contract_lib import views
 from contract_lib.contract import check, violation_message
 
-print(plots.bug_card(1))
+views.setup()
+
+print(views.bug_card(1))
 
 # %% [markdown]
 # ## Three runs of `two-turn`
@@ -72,7 +68,7 @@ normal = contract_lib.run("two-turn", "normal")
 mlx = contract_lib.run("two-turn", "mlx")
 fixed = contract_lib.run("two-turn", "mlx", patch="fix-chained-accounting")
 for frames in (normal, mlx, fixed):
-    print(plots.crash_summary(frames))
+    print(views.crash_summary(frames))
 
 # %% [markdown]
 # ## Red: chained decode leaves `req_to_token` unwritten (still open on 0.5.23)
@@ -83,30 +79,65 @@ for frames in (normal, mlx, fixed):
 # %%
 report = check(mlx)
 result = report.clauses[1]
-print(f"clause 1 on {plots.run_label(mlx)}: {result.status}, "
-      f"{len(result.violations)} unrecorded (step, request, position) entries")
-print(violation_message(result.first()))
+print(f"clause 1 on {views.run_label(mlx)}: {result.status}, "
+      f"{len(result.violations)} unrecorded (step, request, position) entries over all "
+      f"requests, {(result.violations['rid'] == 'a').sum()} of them request a's")
+print(views.wrap(violation_message(result.first())))
 
 # %% [markdown]
 # The grid below shows request `a`'s row over the steps of each run: one column per
-# step, one cell per position, with the slot id written in the cell. Cells below the
-# black `kv_computed` line hold KV the forward has computed, so each must hold a real
-# slot. On MLX, each chained step adds a position the scheduler never recorded (slot 0,
-# in red). The dashed `kv_committed_len` line shows how far the scheduler thinks the row
-# goes.
+# step, one cell per position. Cells below the black `kv_computed` line hold KV the
+# forward has computed, so each must hold a real slot. On MLX, each chained step adds a
+# position the scheduler never recorded (slot 0, in red, its slot id written in the
+# cell). The dashed `kv_committed_len` line shows how far the scheduler thinks the row
+# goes. The panel titles count request `a`'s entries only (one per step and computed
+# position), so they are a part of the all-requests count printed above.
 
 # %%
-plots.slot_grid(normal, mlx, fixed, rid="a")
+views.slot_grid(normal, mlx, fixed, rid="a")
 
 # %% [markdown]
-# Step 7 shows one detail of the bug. Request `c` arrived and broke the chain, so
-# `prepare_for_decode` ran once, for the fresh decode launched at step 6. It wrote
-# **one** slot (41), at the position the counters pointed to (17, the committed bound),
-# not at the next position the forward would compute. Positions 18-20 stay at slot 0
-# for the rest of the request's life. The text view of that step:
+# One step shows a detail of the bug: the first fresh decode launch after a chain,
+# because a new request arrived and broke the chain. The sentence below is computed from
+# the run:
 
 # %%
-print(plots.step_snapshot(mlx, 7, "a", report=report))
+a = views.slot_rows(mlx).query("rid == 'a'")
+launches = mlx.launches.sort_values("launch")
+decodes = launches[launches["mode"] == "decode"]
+after_chain = decodes["chained"].shift(fill_value=False) & ~decodes["chained"]
+fresh = int(decodes.loc[after_chain, "step"].iloc[0])  # prepare_for_decode ran here
+look = fresh + 1
+before, at = (a[a["step"] == s].set_index("position") for s in (fresh, look))
+new = at[(at["slot"] != 0) & (at["slot"] != before["slot"].reindex(at.index))]
+zero = at.index[at["state"] == "slot 0"].tolist()
+committed = int(mlx.requests.query("rid == 'a' and step == @fresh")["kv_committed_len"].iloc[0])
+finish = int(mlx.requests.query("rid == 'a' and finished")["step"].min())
+
+
+def fate(position: int) -> str:
+    later = a[(a["position"] == position) & (a["step"] > look) & (a["state"] == "recorded")]
+    if later.empty:
+        return f"{position} stays at slot 0 until `a` finishes at step {finish}"
+    first = later.iloc[0]
+    return f"{position} gets slot {int(first['slot'])} at step {int(first['step'])}"
+
+
+views.md(
+    f"At step {fresh} `prepare_for_decode` ran once, for that fresh decode. By step {look} "
+    f"it had written **{len(new)}** slot(s) into `a`'s row: "
+    + ", ".join(f"slot {int(r.slot)} at position {p}" for p, r in new.iterrows())
+    + f", at the position the counters pointed to (the committed bound at step {fresh} was "
+    f"{committed}), not at the next position the forward would compute. At step {look} positions "
+    f"{', '.join(map(str, zero))} still hold slot 0. Later: "
+    + "; ".join(fate(p) for p in zero) + ". A position the counters reach again is "
+    "recorded late; the ones they skip stay at slot 0.")
+
+# %% [markdown]
+# The text view of that step:
+
+# %%
+print(views.step_snapshot(mlx, look, "a", report=report))
 
 # %% [markdown]
 # **Where 0.5.23 stands.** The allocation half of #30093 is open: `_launch_chained` still
@@ -128,6 +159,6 @@ print(plots.step_snapshot(mlx, 7, "a", report=report))
 # %%
 for frames in (normal, fixed):
     result = check(frames).clauses[1]
-    print(f"clause 1 on {plots.run_label(frames)}: {result.status} ({result.note})")
+    print(f"clause 1 on {views.run_label(frames)}: {result.status} ({result.note})")
 print("KV pool conservation with the fix:",
       "balanced at every step" if check(fixed).pool.empty else "leaks")

@@ -41,17 +41,13 @@
 
 # %%
 # %matplotlib inline
-import warnings
-
-# Deprecation notices differ between library versions and nbval compares stderr.
-for category in (DeprecationWarning, FutureWarning):
-    warnings.simplefilter("ignore", category)
-
 import contract_lib
-from contract_lib import plots
+from contract_lib import views
 from contract_lib.contract import check, violation_message
 
-print(plots.bug_card(2))
+views.setup()
+
+print(views.bug_card(2))
 
 # %% [markdown]
 # ## Four runs of `two-turn`
@@ -65,7 +61,7 @@ overlap = contract_lib.run("two-turn", "overlap")
 mlx = contract_lib.run("two-turn", "mlx")
 fixed = contract_lib.run("two-turn", "mlx", patch="fix-chained-accounting")
 for frames in (normal, overlap, mlx, fixed):
-    print(plots.crash_summary(frames))
+    print(views.crash_summary(frames))
 
 # %% [markdown]
 # ## Red: the counters stop on every chained step (still open on 0.5.23)
@@ -76,18 +72,27 @@ for frames in (normal, overlap, mlx, fixed):
 # %%
 report = check(mlx)
 result = report.clauses[2]
-print(f"clause 2 on {plots.run_label(mlx)}: {result.status}, {len(result.violations)} "
+print(f"clause 2 on {views.run_label(mlx)}: {result.status}, {len(result.violations)} "
       "lagging counters")
-print(violation_message(result.first()))
+print(views.wrap(violation_message(result.first())))
 
 # %% [markdown]
 # The counters of request `a` over the run, against `kv_computed`. On the torch loop all
 # four lines coincide. On MLX the counters stay flat through every chained step and move
 # by one when the chain breaks. The shaded gap is KV that has been computed but not
-# committed.
+# committed. (The three counters are nudged a quarter position apart so that lines
+# that coincide stay visible.)
 
 # %%
-plots.counter_drift(normal, mlx, fixed, rid="a")
+views.counter_drift(normal, mlx, fixed, rid="a")
+
+# %% [markdown]
+# The same counters against the tokens `a` has emitted rather than against steps: the
+# torch loop and MLX take different numbers of steps, but emit the same tokens, so this
+# lines the runs up token by token.
+
+# %%
+views.counter_drift(normal, mlx, fixed, rid="a", x="emitted")
 
 # %% [markdown]
 # ## The cost: radix reuse of the second turn
@@ -95,34 +100,94 @@ plots.counter_drift(normal, mlx, fixed, rid="a")
 # When `a` finishes, `release_kv_cache` inserts its positions into the radix tree up to
 # `owned_kv_len()`, so at most `kv_committed_len` of them. The second turn `a2` starts
 # with `a`'s prompt and output. In the ideal case it reuses every position `a` computed:
-# prompt (16) + output (12) − 1 = **27**. The last output token is sampled but never fed
-# back, so its KV is never computed.
+# its prompt and output, less one. The last output token is sampled but never fed back,
+# so its KV is never computed. On this run:
+
+# %%
+a_end = normal.requests.query("rid == 'a'").iloc[-1]
+ideal = int(a_end["prompt_len"]) + int(a_end["emitted"]) - 1
+views.md(f"prompt ({int(a_end['prompt_len'])}) + output ({int(a_end['emitted'])}) - 1 = "
+         f"**{ideal}** positions `a2` could reuse.")
 
 # %%
 runs = (normal, overlap, mlx, fixed)
-print(plots.text_table(plots.radix_reuse_table(*runs, rid="a2")))
+print(views.text_table(views.radix_reuse_table(*runs, rid="a2")))
 
 # %%
-plots.radix_reuse(*runs, rid="a2")
+views.radix_reuse(*runs, rid="a2")
 
 # %% [markdown]
-# On MLX, `a2` reuses 19 tokens where the torch loops reuse 27. The 8 chained positions
-# of `a` were computed but never committed, so `a2` computes them again. With the fix, MLX
-# reuses 28. The MLX chain had already computed the KV of `a`'s last token (the lookahead
-# step launched before the finish was seen), and the fix committed it. This is the
-# finish-during-chain over-commit raised in #33874's review. SGLang's own pool
-# conservation law (`InvariantChecker`) still balances at every step, so the slot leak
-# that review predicted does not show on 0.5.23:
+# What each run reuses, and why the fixed MLX run can reuse one more than the torch
+# loops, computed from the table above:
+
+# %%
+reuse = views.radix_reuse_table(*runs, rid="a2").set_index("run")["cached_tokens"]
+torch_reuse, mlx_reuse, fixed_reuse = (int(reuse[views.run_label(f)])
+                                       for f in (normal, mlx, fixed))
+a_mlx = mlx.requests.query("rid == 'a' and finished").iloc[0]
+assert int(reuse[views.run_label(overlap)]) == torch_reuse == ideal
+assert mlx_reuse == int(a_mlx["kv_committed_len"])  # the lagging committed bound
+views.md(
+    f"On MLX, `a2` reuses **{mlx_reuse}** tokens where the torch loops reuse "
+    f"**{torch_reuse}**. The {torch_reuse - mlx_reuse} chained positions of `a` were "
+    "computed but never committed, so `a2` computes them again. With the fix, MLX reuses "
+    f"**{fixed_reuse}**"
+    + (f" ({fixed_reuse - torch_reuse:+d} against the torch loops). The MLX chain had "
+       "already computed the KV of `a`'s last token (the lookahead step launched before "
+       "the finish was seen), and the fix committed it. This is the finish-during-chain "
+       "over-commit raised in #33874's review."
+       if fixed_reuse > torch_reuse else ".")
+    + " Whether SGLang's own pool conservation law (`InvariantChecker`) still balances:")
 
 # %%
 for frames in (mlx, fixed):
     result = check(frames).clauses[2]
     pool = check(frames).pool
-    print(f"{plots.run_label(frames)}: clause 2 {result.status}; KV pool "
+    print(f"{views.run_label(frames)}: clause 2 {result.status}; KV pool "
           f"{'balanced at every step' if pool.empty else f'leaks at {len(pool)} steps'}")
+
+# %% [markdown]
+# ## Under memory pressure: the loop that does not count does not retract
+#
+# The RFC says the retraction budget stays self-consistent on MLX because chained steps
+# never allocate. The `memory-pressure` workload tests what that costs: a pool of 128
+# slots, two requests decoding when two more arrive, 192 positions needed in all. Per
+# step, the positions the live requests have computed (grey) against what the scheduler
+# accounts for (blue) and the pool size (dashed); a dotted line marks a retraction.
+
+# %%
+pressure = [contract_lib.run("memory-pressure", "normal"),
+            contract_lib.run("memory-pressure", "mlx"),
+            contract_lib.run("memory-pressure", "mlx", patch="fix-chained-accounting")]
+for frames in pressure:
+    table = views.memory_table(frames)
+    print(f"{views.run_label(frames):<30} retractions {int(table['retractions'].iloc[-1])}, "
+          f"peak computed {int(table['computed'].max())} of a {int(table['pool'].iloc[0])}-slot "
+          f"pool, peak accounted {int(table['accounted'].max())}")
+
+# %%
+views.memory_pressure(*pressure)
+
+# %%
+torch_p, mlx_p, fixed_p = (views.memory_table(f) for f in pressure)
+assert torch_p["retractions"].iloc[-1] > 0 and (torch_p["computed"] <= torch_p["pool"]).all()
+assert mlx_p["retractions"].iloc[-1] == 0 and (mlx_p["computed"] > mlx_p["pool"]).any()
+assert fixed_p["retractions"].iloc[-1] == torch_p["retractions"].iloc[-1]
+views.md(
+    f"The torch loop retracts {int(torch_p['retractions'].iloc[-1])} times and never computes "
+    f"more positions than the pool has slots. MLX never retracts: its live requests reach "
+    f"**{int(mlx_p['computed'].max())}** computed positions in a {int(mlx_p['pool'].iloc[0])}-slot "
+    f"pool while the scheduler accounts for {int(mlx_p['accounted'].max())}, because "
+    "`check_decode_mem` runs in `prepare_for_decode`, which chained steps skip. With "
+    f"`fix-chained-accounting` MLX retracts like torch ({int(fixed_p['retractions'].iloc[-1])} "
+    "times). This departs from the RFC's text (\"the measured cost is radix truncation, "
+    "not a memory pressure miscalculation\"): under pressure the lag is also a memory "
+    "miscalculation. Model-free, the MLX per-request caches grow past the pool unseen; "
+    "on a device they would use memory the scheduler believes free.")
 
 # %% [markdown]
 # **Where 0.5.23 stands:** open. #30147 (the 0.5.22 sync clamp) bounds the *reader* by
 # the committed count but does not advance it. #33874 was closed and #40046 is open.
-# `fix-chained-accounting` turns clauses 1 and 2 green on every shipped workload
-# ([00-overview](00-overview.ipynb) has the full table).
+# `fix-chained-accounting` turns clauses 1 and 2 green on every shipped workload: the
+# status table of the patched runs in [00-overview](00-overview.ipynb) shows it, and an
+# assertion there keeps that sentence true.

@@ -36,6 +36,15 @@
 # - `Scheduler._record_step_counters` (`managers/scheduler.py:5120`) reads
 #   `forward_iter` and subtracts `launch_ts` for the busy-time counters.
 #
+# **Where this departs from the RFC.** The RFC also names "the SWA eviction cadence" as a
+# reader of these stamps. On 0.5.23, `ScheduleBatch._swa_eviction_trigger`
+# (`managers/schedule_batch.py:4047`) reads `forward_iter` only on AMD's FlyDSL MegaMoE
+# path (`forward_iter % eviction_interval`); everywhere else SWA eviction is gated on each
+# request's tokens (`seqlen`), not on an iteration counter. The cadence reader moved after
+# the RFC's anchor commit, so it is not listed above. The per-request decode count SWA
+# reads instead, `Req.decode_batch_idx`, is a counter, and this project checks it under
+# clause 2 (see [07-effects-audit](07-effects-audit.ipynb)).
+#
 # **What goes wrong when they are stale.**
 # - A `forward_ct` that never moves means step-bounded profiling never stops. Under Metal
 #   capture, the 300 s watchdog then SIGQUITs the server (#29217, June).
@@ -49,17 +58,13 @@
 
 # %%
 # %matplotlib inline
-import warnings
-
-# Deprecation notices differ between library versions and nbval compares stderr.
-for category in (DeprecationWarning, FutureWarning):
-    warnings.simplefilter("ignore", category)
-
 import contract_lib
-from contract_lib import plots
+from contract_lib import views
 from contract_lib.contract import check, violation_message
 
-print(plots.bug_card(3))
+views.setup()
+
+print(views.bug_card(3))
 
 # %% [markdown]
 # ## Three runs of `two-turn` on MLX, and the torch reference
@@ -70,7 +75,7 @@ mlx = contract_lib.run("two-turn", "mlx")
 no_ct = contract_lib.run("two-turn", "mlx", patch="no-forward-ct")
 no_ts = contract_lib.run("two-turn", "mlx", patch="no-launch-ts")
 for frames in (normal, mlx, no_ct, no_ts):
-    print(plots.crash_summary(frames))
+    print(views.crash_summary(frames))
 
 # %% [markdown]
 # ## Green: 0.5.23 stamps every launch, chained ones included
@@ -82,9 +87,9 @@ for frames in (normal, mlx, no_ct, no_ts):
 
 # %%
 for frames in (normal, mlx):
-    print(f"clause 3 on {plots.run_label(frames)}: {check(frames).clauses[3].status}")
+    print(f"clause 3 on {views.run_label(frames)}: {check(frames).clauses[3].status}")
 print()
-print(plots.text_table(plots.stamps_table(mlx).head(6)))
+print(views.text_table(views.stamps_table(mlx).head(6)))
 
 # %% [markdown]
 # ## Red, replay of #29217: the MLX launch without `forward_ct += 1`
@@ -96,9 +101,9 @@ print(plots.text_table(plots.stamps_table(mlx).head(6)))
 
 # %%
 report = check(no_ct)
-print(f"clause 3 on {plots.run_label(no_ct)}: {report.clauses[3].status}, "
+print(f"clause 3 on {views.run_label(no_ct)}: {report.clauses[3].status}, "
       f"{len(report.clauses[3].violations)} launches")
-print(violation_message(report.clauses[3].first()))
+print(views.wrap(violation_message(report.clauses[3].first())))
 print("same tokens as unpatched:", no_ct.output_tokens() == mlx.output_tokens())
 
 # %% [markdown]
@@ -111,7 +116,7 @@ print("same tokens as unpatched:", no_ct.output_tokens() == mlx.output_tokens())
 # the step where `process_batch_result` received the batch.
 
 # %%
-print(plots.crash_summary(no_ts))
+print(views.crash_summary(no_ts))
 print()
 print(check(no_ts).text())
 
@@ -122,4 +127,4 @@ print(check(no_ts).text())
 # crashes on its first processed batch.
 
 # %%
-plots.step_stamps(mlx, no_ct, no_ts)
+views.step_stamps(mlx, no_ct, no_ts)

@@ -47,17 +47,13 @@
 
 # %%
 # %matplotlib inline
-import warnings
-
-# Deprecation notices differ between library versions and nbval compares stderr.
-for category in (DeprecationWarning, FutureWarning):
-    warnings.simplefilter("ignore", category)
-
 import contract_lib
-from contract_lib import plots
+from contract_lib import views
 from contract_lib.contract import check, violation_message
 
-print(plots.bug_card(5))
+views.setup()
+
+print(views.bug_card(5))
 
 # %% [markdown]
 # ## Three runs of `two-turn`
@@ -71,7 +67,7 @@ overlap = contract_lib.run("two-turn", "overlap")
 mlx = contract_lib.run("two-turn", "mlx")
 fixed = contract_lib.run("two-turn", "mlx", patch="fix-idle-predicate")
 for frames in (overlap, mlx, fixed):
-    print(plots.crash_summary(frames))
+    print(views.crash_summary(frames))
 
 # %% [markdown]
 # ## Red (masked): on 0.5.23 the MLX queue term says idle with a job in flight
@@ -79,9 +75,9 @@ for frames in (overlap, mlx, fixed):
 # %%
 report = check(mlx)
 result = report.clauses[5]
-print(f"clause 5 on {plots.run_label(mlx)}: {result.status}, {len(result.violations)} "
+print(f"clause 5 on {views.run_label(mlx)}: {result.status}, {len(result.violations)} "
       f"steps ({result.note})")
-print(violation_message(result.first()))
+print(views.wrap(violation_message(result.first())))
 
 # %% [markdown]
 # ## Green: the torch overlap loop, and MLX with the fix
@@ -89,7 +85,7 @@ print(violation_message(result.first()))
 # %%
 for frames in (overlap, fixed):
     result = check(frames).clauses[5]
-    print(f"clause 5 on {plots.run_label(frames)}: {result.status} ({result.note})")
+    print(f"clause 5 on {views.run_label(frames)}: {result.status} ({result.note})")
 
 # %% [markdown]
 # Step by step: the top lane is the in-flight queue, the middle lane is the predicate as
@@ -98,7 +94,7 @@ for frames in (overlap, fixed):
 # flight: the queue term alone would have said idle.
 
 # %%
-plots.idle_predicate(overlap, mlx, fixed)
+views.idle_predicate(overlap, mlx, fixed)
 
 # %% [markdown]
 # The fix changes only the predicate, so the other open MLX clauses stay as they were.
@@ -106,4 +102,4 @@ plots.idle_predicate(overlap, mlx, fixed)
 # the parent and green on the branch.
 
 # %%
-print(plots.text_table(plots.report_table(check(fixed))))
+print(views.text_table(views.report_table(check(fixed))))

@@ -17,56 +17,118 @@
 # # Triage: which clause does this run break, and where?
 #
 # Use this notebook to check a run you have not seen before: a new workload, another
-# loop, or a patch you suspect. Set the parameters in the next cell, or run it with
-# papermill (`papermill 06-triage.ipynb out.ipynb -p loop mlx -p patch
-# fix-chained-accounting`). It runs the workload through the real SGLang loop, checks
-# the five clauses, and takes you to the first violation: the clause and field, the
-# frames around that step, and then a step explorer.
+# loop, a release, or a patch you suspect. Set the parameters in the next cell, or run
+# it with papermill (in the dev dependencies):
+#
+# ```
+# papermill 06-triage.ipynb out.ipynb -p workload my-workload.toml -p loop mlx \
+#     -p patch fix-chained-accounting -y '{"server_args": {"chunked_prefill_size": 32}}'
+# ```
+#
+# It runs the workload through the real SGLang loop, checks the clauses, prints the
+# run's verdict, takes you to the first violation and shows that clause's own view,
+# compares the run with the unpatched run and the torch loops on the same workload, and
+# ends with a step explorer.
 #
 # - `workload`: a shipped workload (`single-decode`, `two-turn`, `staggered`,
-#   `finish-mid-chain`, `mixed-chunk`) or a path to a workload `.toml`.
-# - `loop`: `normal`, `overlap` or `mlx`.
+#   `finish-mid-chain`, `mixed-chunk`, ...) or a path to a workload `.toml`.
+# - `loop`: `normal`, `overlap`, `mlx` (or `omni`).
 # - `patch`: `None`, a built-in patch (`no-forward-ct`, `no-launch-ts`,
-#   `fix-chained-accounting`, `fix-idle-predicate`, `skip-relay-publish`; combine them
-#   with `+`), or your own `module:function`.
-# - `server_args`: `ServerArgs` overrides on top of the workload's own.
+#   `fix-chained-accounting`, `fix-idle-predicate`, `skip-relay-publish`, ...; combine
+#   them with `+`), or your own `module:function`.
+# - `server_args`: `ServerArgs` overrides on top of the workload's own, a dict. With
+#   papermill pass it as YAML: `-y '{"server_args": {"max_total_tokens": 256}}'`
+#   (`-p` only passes strings and numbers).
+# - `runner`: `model-free` (the forward replaced) or `real` (SGLang's `MlxModelRunner`
+#   with a tiny local model; `mlx` loop only).
+# - `sglang`: `None` (the installed release) or another supported release, e.g. `0.5.21`.
+# - `compare`: also run the references (the same run without the patch, and the torch
+#   loops) and show them beside it.
+#
+# A bad parameter, or a run that fails in set-up, stops at the next cell with the
+# library's one-line message.
 
 # %% tags=["parameters"]
 workload = "two-turn"
 loop = "mlx"
 patch = None
 server_args = {}
+runner = "model-free"
+sglang = None
+compare = True
 
 # %%
 # %matplotlib inline
-import warnings
+from contract_lib import views
+from contract_lib.contract import violation_message
 
-# Deprecation notices differ between library versions and nbval compares stderr.
-for category in (DeprecationWarning, FutureWarning):
-    warnings.simplefilter("ignore", category)
+views.setup()
 
-import contract_lib
-from contract_lib import plots
-from contract_lib.contract import check, violation_message
-
-frames = contract_lib.run(workload, loop, patch=patch, server_args=server_args)
-report = check(frames)
-print(plots.crash_summary(frames))
+options = dict(runner=runner, sglang=sglang)
+frames, report = views.checked_run(workload, loop, patch=patch, server_args=server_args,
+                                   **options)
+print(views.crash_summary(frames))
 print()
-print(plots.text_table(plots.report_table(report)))
+print(views.text_table(views.report_table(report)))
+print()
+print(views.verdict_line(report))
 
 # %% [markdown]
 # ## The first violation
 #
 # The lowest-numbered violated clause, and its first step. This is the message
 # `assert_contract` raises. `step` and `rid` below locate it; with no violation they
-# point at the last step.
+# point at the last step. A run that did not finish says where it stopped.
 
 # %%
-first = plots.first_violation(report)
-step, rid = plots.triage_focus(frames, report)
-print(violation_message(first) if first else "every clause holds (or is not exercised)")
+first = views.first_violation(report)
+step, rid = views.triage_focus(frames, report)
+if first:
+    print(views.wrap(violation_message(first)))
+else:
+    print("no clause violated in the frames recorded; " + views.verdict_line(report))
+if frames.error:
+    print()
+    print(views.crash_summary(frames))
 print(f"\nlooking at step {step}, request {rid}")
+
+# %% [markdown]
+# ## The clause's own view, beside the references
+#
+# The references are the same workload with no patch (when a patch was given) and the
+# torch loops, which satisfy the RFC's clauses. The figure is the violated clause's own
+# subject: the `req_to_token` row (clause 1), the counters (2), the stamps (3), the relay
+# reads and writes (4), the idle-predicate lanes (5).
+
+# %%
+references = []
+if compare:
+    wanted = [(loop, options)] if patch else []  # the same run without the patch
+    wanted += [(torch, dict(sglang=sglang)) for torch in ("normal", "overlap") if torch != loop]
+    references = [views.checked_run(workload, name, server_args=server_args, **extra)[0]
+                  for name, extra in wanted]
+runs = (frames, *references)
+print(views.text_table(views.clause_comparison(*runs)))
+
+# %%
+figure = views.clause_view(frames, report, *references)
+figure if figure is not None else print("no clause violated: nothing to draw")
+
+# %% [markdown]
+# ## Later turns: what the radix cache reused
+#
+# For every request of the workload that is a later turn of another (`turn_of`): its
+# `cached_tokens` on each run against the ideal, every position the earlier turn
+# computed. A run that commits fewer positions than it computed reuses less.
+
+# %%
+turns = views.later_turns(workload)
+for turn in turns:
+    reuse = views.radix_reuse_table(*runs, rid=turn, workload=workload)
+    print(f"{turn}, a later turn of {reuse.attrs['parent']}: cached_tokens against the ideal")
+    print(views.text_table(reuse))
+if not turns:
+    print("the workload has no later turn")
 
 # %% [markdown]
 # ## The frames around that step
@@ -77,7 +139,7 @@ print(f"\nlooking at step {step}, request {rid}")
 # slot.
 
 # %%
-print(plots.text_table(plots.frames_around(frames, step, before=1, after=1)))
+print(views.text_table(views.frames_around(frames, step, before=1, after=1)))
 
 # %% [markdown]
 # ## Step explorer
@@ -88,7 +150,7 @@ print(plots.text_table(plots.frames_around(frames, step, before=1, after=1)))
 
 # %%
 # NBVAL_SKIP
-plots.step_explorer(frames, step=step, rid=rid)
+views.step_explorer(frames, step=step, rid=rid)
 
 # %% [markdown]
 # ## The same view, static
@@ -97,7 +159,7 @@ plots.step_explorer(frames, step=step, rid=rid)
 # the notebook reads without a live kernel:
 
 # %%
-print(plots.step_snapshot(frames, step, rid, report=report))
+print(views.step_snapshot(frames, step, rid, report=report))
 
 # %%
-plots.step_figure(frames, step, rid)
+views.step_figure(frames, step, rid)

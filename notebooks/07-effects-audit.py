@@ -23,44 +23,45 @@
 
 # %%
 # %matplotlib inline
-import warnings
-
-# Deprecation notices differ between library versions and nbval compares stderr.
-for category in (DeprecationWarning, FutureWarning):
-    warnings.simplefilter("ignore", category)
-
-from contract_lib import plots
+from contract_lib import views
 from contract_lib.audit import audit
+
+views.setup()
 
 # %% [markdown]
 # ## The findings on `two-turn`, SGLang 0.5.23
 
 # %%
 result = audit("two-turn", progress=False)
-print(plots.text_table(plots.audit_table(result)))
+print(views.text_table(views.audit_table(result)))
 
 # %%
-plots.audit_cadences(result)
+views.audit_cadences(result)
+
+# %%
+from contract_lib.extensions import EXTENDED_FIELDS, EXTENSION_CLAUSES
+
+findings = result.findings
+extended = {field for fields in EXTENDED_FIELDS.values() for field in fields}
+beyond = (findings["clause"].isna() | findings["clause"].isin(list(EXTENSION_CLAUSES))
+          | findings["field"].isin(extended))
+views.md(f"**{int((~beyond).sum())} of the {len(findings)} findings** are fields the RFC's "
+         f"clauses check; **{int(beyond.sum())}** are not covered by any RFC clause "
+         f"({int(findings['clause'].isna().sum())} by no clause at all).")
 
 # %% [markdown]
-# Eight of the ten findings are fields the clauses already check. The allocation and
-# `req_to_token[]` writes are clause 1. `seq_lens*`, `kv_committed_len` and
-# `kv_allocated_len` are clause 2. All of them come from the same skipped call:
-# `_launch_chained` never reaches `prepare_for_decode` → `alloc_for_decode`, so they change
-# only when the chain breaks (orange), or, for the allocation-side ones, only at some
-# launches (yellow). That the audit finds them without being told is the check on the
-# audit itself.
+# The allocation and `req_to_token[]` writes are clause 1. `seq_lens*`,
+# `kv_committed_len` and `kv_allocated_len` are clause 2. All of them come from the same
+# skipped call: `_launch_chained` never reaches `prepare_for_decode` →
+# `alloc_for_decode`, so they change only when the chain breaks (orange), or, for the
+# allocation-side ones, only at some launches (salmon). That the audit finds them
+# without being told is the check on the audit itself.
 #
-# Two findings are **not covered by any clause**. Here is where each one is written and
-# read:
+# The findings beyond the RFC are the reason for this project's extensions. Here is
+# where each one is written and read, and the clause that now covers it:
 
 # %%
-uncovered = result.findings[result.findings["clause"].isna()]
-for row in uncovered.itertuples(index=False):
-    print(f"{row.object}.{row.field}: normal {row.normal}, overlap {row.overlap}, "
-          f"mlx {row.mlx}")
-    print(f"  written by {', '.join(row.written_by)}")
-    print(f"  read at {row.readers} sites, e.g. {', '.join(row.reader_sites[:3])}")
+print(views.beyond_rfc_text(result))
 
 # %% [markdown]
 # ### `Scheduler.processed_tokens_counter`: the HRRN aging axis
@@ -69,24 +70,67 @@ for row in uncovered.itertuples(index=False):
 # (`managers/scheduler.py:4633`). The `hrrn` schedule policy reads it as its clock: a
 # request snapshots it on arrival (`req.arrival_processed_tokens`, :3495), and its
 # priority grows with `processed_tokens - arrival_processed_tokens`
-# (`managers/schedule_policy.py:469-489`, fed at :4132). The MLX loop never calls
-# `run_batch` and never advances it, so under `--schedule-policy hrrn` on MLX no waiting
-# request ever ages: HRRN degenerates to ordering by size.
-#
-# The audit also shows something on the **torch** side. The counter changes at *every
-# decode* launch, even though the comment above that line says "Decode / prebuilt batches
-# contribute 0". `prepare_for_decode` never resets `extend_num_tokens`, so each decode
-# step adds the last prefill's token count again. Measured on `two-turn`: the counter
-# grows by 28 at each decode step after the first prefill of 28 tokens (0 → 28 → 56 → …).
-# So the torch loops over-age waiting requests by the prefill length at every decode
-# step, and the MLX loop does not age them at all. The two loops disagree in opposite
-# directions.
-#
-# **Proposal: a sixth clause, "scheduling clocks advanced".** At every launch,
-# `processed_tokens_counter` advances by the tokens the launch prefills: by the batch's
-# extend tokens for an extend or mixed batch, by zero for decode. The torch loops would
-# fail it today (a finding to file upstream), and the MLX loop would fail it at every
-# prefill. The reader that gets it wrong is HRRN's `calc_priority`.
+# (`managers/schedule_policy.py:469-489`, fed at :4132). The frames record the counter
+# at every step boundary; on `two-turn`:
+
+# %%
+import contract_lib
+
+clock_runs = [contract_lib.run("two-turn", loop) for loop in ("normal", "mlx")]
+for frames in clock_runs:
+    table = views.clock_table(frames)
+    print(f"{views.run_label(frames)}: counter per step "
+          f"{' '.join(map(str, table['processed_tokens_counter'].head(8)))} ...; "
+          f"advances {' '.join(map(str, table['advance'].dropna().astype(int).head(8)))} ...")
+torch_clock, mlx_clock = (views.clock_table(f) for f in clock_runs)
+first_prefill = int(torch_clock.loc[torch_clock["prefilled"] > 0, "prefilled"].iloc[0])
+only_decode = clock_runs[0].launches.groupby("step")["mode"].agg(lambda m: set(m) == {"decode"})
+decode_steps = torch_clock[torch_clock["step"].map(only_decode).eq(True)
+                           & torch_clock["advance"].notna()]
+assert (decode_steps["advance"] > 0).any()  # decode steps advance the torch clock
+assert (mlx_clock["processed_tokens_counter"] == 0).all()  # the MLX clock never moves
+
+# %%
+views.scheduling_clock(*clock_runs)
+
+# %% [markdown]
+# The MLX loop never calls `run_batch` and never advances the counter. What HRRN then
+# does follows from its sort key in the installed SGLang (printed from the source, not
+# copied):
+
+# %%
+import importlib.util
+from pathlib import Path
+
+policy = Path(importlib.util.find_spec("sglang").submodule_search_locations[0],
+              "srt/managers/schedule_policy.py").read_text().splitlines()
+start = next(i for i, line in enumerate(policy) if "def _key(r: Req)" in line)
+print("\n".join(policy[start:start + 11]))
+
+# %%
+views.md(
+    f"On MLX the clock stays at {int(mlx_clock['processed_tokens_counter'].max())}, so "
+    "`waited_tokens` is 0 for every waiting request, `ratio_delta` is 0, and the key is "
+    "`(0, rid)`: **HRRN degenerates to ordering by request id** (not by size; requests "
+    "with nothing to prefill still go first), and no waiting request ever ages. On the "
+    f"torch loop the counter advances at decode steps too: after the first prefill of "
+    f"{first_prefill} tokens, the {len(decode_steps)} decode-only steps advance it by "
+    + ", ".join(f"{v} ({n} steps)" for v, n in
+                decode_steps["advance"].astype(int).value_counts().sort_index(
+                    ascending=False).items())
+    + ", although the comment above that line says \"Decode / prebuilt batches "
+    "contribute 0\": `prepare_for_decode` never resets `extend_num_tokens`, so each decode "
+    "step adds again the token count of the prefill the running batch came from. The torch loops over-age waiting "
+    "requests and the MLX loop does not age them at all: the two loops disagree in "
+    "opposite directions.")
+
+# %% [markdown]
+# **This is now clause 6, "scheduling clocks advanced"** (`contract_lib/extensions.py`,
+# an extension of the RFC's five clauses, checked by default): at every step boundary
+# the clock has advanced by exactly the tokens the previous step's launches prefilled.
+# The torch loops fail it (a catalogued SGLang-wide bug, `processed-tokens-counter`,
+# reported as such in the status table rather than as a torch failure), and the MLX loop
+# fails it at every prefill.
 #
 # ### `Req.decode_batch_idx`: the per-request decode step count
 #
@@ -105,10 +149,39 @@ for row in uncovered.itertuples(index=False):
 # (mamba) models, which this model-free suite does not exercise. So the lag is measured
 # here, but its damage is not.
 #
-# **Proposal: extend clause 2 rather than add a clause.** "Counters advanced" should list
-# `Req.decode_batch_idx` beside `seq_lens` and `kv_committed_len`: it is the same
-# counter-per-launched-step invariant, with the same root cause and the same fix
-# (`fix-chained-accounting` runs `prepare_for_decode` per chained step).
+# **This is now part of clause 2** (`contract_lib/extensions.py`): "counters advanced"
+# checks `Req.decode_batch_idx` beside `seq_lens` and `kv_committed_len` (expected:
+# `kv_computed - kv_prefilled`); same root cause, same fix (`fix-chained-accounting`).
+#
+# ## The extension clauses, measured
+#
+# Clause 7, **request state retired**, comes from the backend's own per-request
+# structures (the MLX worker's and runner's dicts keyed by request id): a released
+# request must leave none behind once a later launch has completed. Every shipped
+# workload on every loop, with the RFC's clauses and the extensions:
+
+# %%
+from contract_lib.contract import check
+from contract_lib.status import status
+
+extended = status(progress=False)
+print(extended.text())
+
+# %% [markdown]
+# Under memory pressure the MLX loop keeps per-request state for requests the scheduler
+# has released (clause 7), shown against the torch loop and the candidate fix:
+
+# %%
+pressure = [contract_lib.run("memory-pressure", "normal"),
+            contract_lib.run("memory-pressure", "mlx"),
+            contract_lib.run("memory-pressure", "mlx", patch="fix-chained-accounting")]
+for frames in pressure:
+    retired = check(frames).clauses[7]
+    print(f"clause 7 on {views.run_label(frames)}: {retired.status}, "
+          f"{len(retired.violations)} violations")
+
+# %%
+views.retired_lanes(*pressure)
 
 # %% [markdown]
 # ## The audit sees a broken clause it was not told about

@@ -42,20 +42,16 @@
 
 # %%
 # %matplotlib inline
-import warnings
-
-# Deprecation notices differ between library versions and nbval compares stderr.
-for category in (DeprecationWarning, FutureWarning):
-    warnings.simplefilter("ignore", category)
-
 import pandas as pd
 
 import contract_lib
-from contract_lib import kvpool, plots
+from contract_lib import kvpool, views
 from contract_lib.status import releases_status
 from contract_lib.tiny_model import CONFIG, reference_outputs, tiny_model_dir, weights_digest
 
-print(plots.bug_card(1))
+views.setup()
+
+print(views.bug_card(1))
 print()
 print(f"tiny model: {CONFIG['num_hidden_layers']} layers, hidden {CONFIG['hidden_size']}, "
       f"{CONFIG['num_key_value_heads']} KV heads, vocab {CONFIG['vocab_size']}; weights "
@@ -70,7 +66,7 @@ runs = (old, revert, shipped, fixed)
 labels = ["0.5.21", "0.5.23 + unclamped-sync", "0.5.23", "0.5.23 + fix"]
 reference = reference_outputs("two-turn")
 for frames, label in zip(runs, labels):
-    print(f"{label:<24} {plots.crash_summary(frames)}")
+    print(f"{label:<24} {views.crash_summary(frames)}")
 print("0.5.21 needs:", ", ".join(s for s in old.meta["shims"] if "backport" in s))
 
 # %% [markdown]
@@ -88,7 +84,7 @@ print("0.5.21 needs:", ", ".join(s for s in old.meta["shims"] if "backport" in s
 # fix records them.
 
 # %%
-plots.slot_grid(old, shipped, fixed, rid="a", labels=[labels[0], labels[2], labels[3]])
+views.slot_grid(old, shipped, fixed, rid="a", labels=[labels[0], labels[2], labels[3]])
 
 # %% [markdown]
 # Where `a`'s KV went in the pool. One row per write (the step it happened in, and the
@@ -108,18 +104,11 @@ plots.slot_grid(old, shipped, fixed, rid="a", labels=[labels[0], labels[2], labe
 # - **0.5.23 + fix**: every position was recorded, and the release writes all of them.
 
 # %%
-plots.kv_writes(old, shipped, fixed, rid="a", labels=[labels[0], labels[2], labels[3]])
+views.kv_writes(old, shipped, fixed, rid="a", labels=[labels[0], labels[2], labels[3]])
 
 # %%
-syncs = old.kv_syncs
-damage = syncs[syncs.target.isin(["slot 0", "other live request"])]
 print("0.5.21: writes through unrecorded or foreign slots, per step, request and path")
-print(plots.text_table(
-    damage.groupby(["step", "rid", "kind", "target"], sort=True)
-    .agg(positions=("position", lambda p: f"{p.min()}-{p.max()}"),
-         slots=("slot", lambda s: " ".join(map(str, s))),
-         owner=("owner", lambda o: ", ".join(sorted(set(o.dropna()))) or "-"))
-    .reset_index()))
+print(views.text_table(views.damage_table(old)))
 
 # %% [markdown]
 # ## The pool contents at the end
@@ -130,16 +119,25 @@ print(plots.text_table(
 # the radix hit its prefill read from the pool.
 
 # %%
-plots.kv_pool_verdicts(*runs, rid="a2", labels=labels)
+views.kv_pool_verdicts(*runs, rid="a2", labels=labels)
 
 # %%
 for frames, label in zip(runs, labels):
     print(label)
-    print(plots.text_table(kvpool.summary_table(frames)))
+    print(views.text_table(kvpool.summary_table(frames)))
     print()
 
+# %%
+a2_cached = {label: int(f.requests.query("rid == 'a2'")["cached_tokens"].iloc[-1])
+             for f, label in zip(runs, labels)}
+pool_a2 = old.kv_pool.query("rid == 'a2'")
+views.md(f"On 0.5.21, `a2`'s radix hit covers **{a2_cached['0.5.21']}** positions "
+         f"(0.5.23: {a2_cached['0.5.23']}, with the fix: {a2_cached['0.5.23 + fix']}); "
+         f"its pool slots end {', '.join(f'{n} {v}' for v, n in pool_a2['verdict'].value_counts().sort_index().items())}.")
+
 # %% [markdown]
-# On 0.5.21, `a2`'s radix hit covers 19 positions. Two of them, 17 and 18, sit in slots
+# On 0.5.21, as computed above, `a2`'s radix hit covers 19 positions. Two of them, 17
+# and 18, sit in slots
 # 41 and 44, which nothing ever wrote: the step-5 flush sent their KV to slot 0. `a2`'s
 # prefill attends over those zeros, so every position it computes from there on (19-31)
 # holds other KV than mlx-lm's. Its last position (32) is zero: 0.5.21 writes decode KV
@@ -154,7 +152,16 @@ for frames, label in zip(runs, labels):
 # differs from mlx-lm's is in brackets.
 
 # %%
-print(plots.text_table(plots.token_table(*runs, reference=reference, labels=labels)))
+print(views.text_table(views.token_table(*runs, reference=reference, labels=labels)))
+
+# %% [markdown]
+# %%
+reference_a2 = reference["a2"]
+old_a2 = old.output_tokens()["a2"]
+wrong_tokens = sum(x != y for x, y in zip(old_a2, reference_a2))
+assert {rid for rid, tokens in reference.items() if old.output_tokens().get(rid) != tokens} == {"a2"}
+views.md(f"On 0.5.21, **{wrong_tokens} of {len(reference_a2)}** of `a2`'s tokens differ "
+         "from mlx-lm's; every other request's tokens match.")
 
 # %% [markdown]
 # `a`, `b` and `c` are right everywhere: each decodes from its own contiguous cache,
@@ -166,9 +173,7 @@ print(plots.text_table(plots.token_table(*runs, reference=reference, labels=labe
 # The revert patch replays 0.5.21's run exactly on 0.5.23's code:
 
 # %%
-same = {name: old.comparable()[name].equals(revert.comparable()[name])
-        for name in ("kv_syncs", "kv_pool", "outputs", "slots", "requests")}
-print("0.5.21 unpatched == 0.5.23 + unclamped-sync:", same)
+print("0.5.21 unpatched == 0.5.23 + unclamped-sync:", views.same_tables(old, revert))
 
 # %% [markdown]
 # ## The three releases side by side
@@ -192,22 +197,27 @@ print(side_by_side.text())
 rows = []
 for workload in contract_lib.workload_names():
     frames = contract_lib.run(workload, "mlx", runner="real", sglang="0.5.21")
-    totals = kvpool.summary_table(frames)[["into slot 0", "into another live request",
-                                           "zero", "wrong"]].sum()
-    outputs = frames.output_tokens()
-    wrong = [rid for rid, tokens in reference_outputs(workload).items()
-             if outputs.get(rid) != tokens]
-    rows.append({"workload": workload, **totals.to_dict(),
-                 "wrong output": ", ".join(wrong) or "-"})
-print(plots.text_table(pd.DataFrame(rows)))
+    rows.append({"workload": workload,
+                 **views.damage_summary(frames, reference_outputs(workload))})
+damage = pd.DataFrame(rows)
+print(views.text_table(damage))
+
+# %%
+zero_everywhere = bool((damage["zero"] > 0).all())
+into_slot0 = int((damage["into slot 0"] > 0).sum())
+foreign = damage.loc[damage["into another live request"] > 0, "workload"].tolist()
+views.md(
+    f"**Where things stand.** 0.5.21 shipped the damage. On "
+    f"{'every' if zero_everywhere else 'some'} shipped workload its pool ends with "
+    "radix-matched slots that were never written (`zero`): they wait for a sync that only "
+    "the next extend launch or a removal would do. On "
+    f"**{into_slot0} of the {len(damage)}**, chained positions' KV goes into the padding "
+    f"slot. On {', '.join(f'`{w}`' for w in foreign) or 'none'}, a sync also writes into "
+    "another live request's slots and the second turn emits wrong tokens.")
 
 # %% [markdown]
-# **Where things stand.** 0.5.21 shipped the damage. On every shipped workload its pool
-# ends with radix-matched slots that were never written (`zero`): they wait for a sync
-# that only the next extend launch or a removal would do. On four of the five, chained
-# positions' KV goes into the padding slot. On `two-turn`, the one workload with a radix
-# hit on a reused row, a sync also writes into another live request's slots and the
-# second turn emits wrong tokens. 0.5.22 clamped the reader, which
+# The one workload with a radix hit on a reused row is `two-turn`. 0.5.22 clamped the
+# reader, which
 # turns the damage into the cache loss of clause 2 ([02-counters](02-counters.ipynb)):
 # `a2` reuses 19 positions instead of 27 and recomputes the rest. The writer side,
 # recording every chained position (#30093's allocation half, `fix-chained-accounting`),

@@ -39,21 +39,17 @@
 
 # %%
 # %matplotlib inline
-import warnings
-
-# Deprecation notices differ between library versions and nbval compares stderr.
-for category in (DeprecationWarning, FutureWarning):
-    warnings.simplefilter("ignore", category)
-
 import contract_lib
-from contract_lib import plots
+from contract_lib import views
 from contract_lib.contract import check, violation_message
+
+views.setup()
 
 normal = contract_lib.run("two-turn", "normal", sglang="0.5.22")
 overlap = contract_lib.run("two-turn", "overlap", sglang="0.5.22")
 omni = contract_lib.run("two-turn", "omni")
 for frames in (normal, overlap, omni):
-    print(f"{plots.crash_summary(frames)} (sglang {frames.meta['sglang_version']})")
+    print(f"{views.crash_summary(frames)} (sglang {frames.meta['sglang_version']})")
 print("replaced on omni:", ", ".join(s for s in omni.meta["shims"] if s.startswith("omni")))
 
 # %% [markdown]
@@ -68,7 +64,7 @@ print("replaced on omni:", ", ".join(s for s in omni.meta["shims"] if s.startswi
 # %%
 assert omni.output_tokens() == normal.output_tokens() == overlap.output_tokens()
 print("tokens equal on normal, overlap and omni:", omni.output_tokens() == normal.output_tokens())
-print(plots.text_table(plots.report_table(check(omni))))
+print(views.text_table(views.report_table(check(omni))))
 
 # %% [markdown]
 # ## One launch more per finishing lane
@@ -84,10 +80,10 @@ dropped = omni.launches[omni.launches["processed_step"].isna()]
 print(f"launches: normal {len(normal.launches)}, overlap {len(overlap.launches)}, "
       f"omni {len(omni.launches)} ({len(dropped)} resolved and dropped: "
       f"{', '.join(dropped['rids'])})")
-print(plots.text_table(plots.radix_reuse_table(normal, overlap, omni, rid="a2")))
+print(views.text_table(views.radix_reuse_table(normal, overlap, omni, rid="a2")))
 
 # %%
-plots.launch_timeline(normal, overlap, omni)
+views.launch_timeline(normal, overlap, omni)
 
 # %% [markdown]
 # ## Clause 5: the inherited idle predicate cannot see the lookahead
@@ -102,8 +98,8 @@ plots.launch_timeline(normal, overlap, omni)
 
 # %%
 result = check(omni).clauses[5]
-print(f"clause 5 on {plots.run_label(omni)}: {result.status} ({result.note})")
-print(violation_message(result.first()))
+print(f"clause 5 on {views.run_label(omni)}: {result.status} ({result.note})")
+print(views.wrap(violation_message(result.first())))
 
 # %%
-plots.idle_predicate(overlap, omni)
+views.idle_predicate(overlap, omni)

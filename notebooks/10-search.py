@@ -31,21 +31,17 @@
 # a decode). What does the bug really need?
 
 # %%
-import warnings
-
-# Deprecation notices differ between library versions and nbval compares stderr.
-for category in (DeprecationWarning, FutureWarning):
-    warnings.simplefilter("ignore", category)
-
 import pandas as pd
 
 import contract_lib
-from contract_lib import plots
+from contract_lib import views
 from contract_lib.contract import check
 from contract_lib.report import step_table
 from contract_lib.search import Campaign, judge, search, to_toml, workload_size
 
-print(plots.bug_card(4))
+views.setup()
+
+print(views.bug_card(4))
 
 # %% [markdown]
 # ## The campaign

@@ -146,6 +146,14 @@ def test_notebook_was_executed_cleanly(path):
     assert any(cell.outputs for cell in code), "no stored outputs to compare"
 
 
+def test_overview_reading_order_links_every_notebook():
+    """00's reading order names every notebook of the suite (a newcomer starts there)."""
+    overview = (NOTEBOOK_DIR / "00-overview.py").read_text()
+    order = overview[overview.index("## Reading order"):]
+    missing = [p.name for p in NOTEBOOKS if p.stem != "00-overview" and f"({p.name})" not in order]
+    assert not missing, f"00-overview's reading order does not link {missing}"
+
+
 def test_suite_fails_when_a_clause_breaks(monkeypatch):
     """Re-execute 04-relay with the relay publish removed from every run (the harness
     applies ``CONTRACT_LIB_EXTRA_PATCH`` to each run): its compared outputs must change,

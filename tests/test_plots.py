@@ -1,4 +1,5 @@
-"""The notebook figures and tables, built on real runs (shared with the other tests)."""
+"""The notebook figures and tables (contract_lib.views), built on real runs (shared with
+the other tests)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import matplotlib
 import pytest
 from matplotlib.figure import Figure
 
-from contract_lib import plots
-from contract_lib.contract import check
+from contract_lib import views
+from contract_lib.contract import SLOT_STATES, check, slot_states
+from contract_lib.frames import Frames
+from contract_lib.views import style
 
 matplotlib.use("Agg")
 
@@ -37,26 +40,26 @@ def two_turn(run_cached):
 
 
 def test_launch_timeline_counts_chained_launches(two_turn):
-    fig = plots.launch_timeline(two_turn["overlap"], two_turn["mlx"])
+    fig = views.launch_timeline(two_turn["overlap"], two_turn["mlx"])
     assert_readable(fig, 2)
-    kinds = plots.launch_kinds(two_turn["mlx"])
+    kinds = views.launch_kinds(two_turn["mlx"])
     assert kinds[["prefill", "fresh", "chained"]].to_numpy().sum() == len(
         two_turn["mlx"].launches)
     assert kinds["chained"].sum() > 0
-    assert plots.launch_kinds(two_turn["overlap"])["chained"].sum() == 0
+    assert views.launch_kinds(two_turn["overlap"])["chained"].sum() == 0
     assert "mlx" in fig.axes[1].get_title()
 
 
-def test_slot_states_agree_with_clause_1(two_turn, run_cached):
-    for frames in (*two_turn.values(), run_cached("two-turn", "mlx", "fix-chained-accounting")):
-        states = plots.slot_states(frames)
-        bad = states["state"].isin(["slot 0", "free", "shared", "stale"]).sum()
-        assert bad == len(check(frames).clauses[1].violations)
-    assert (plots.slot_states(two_turn["mlx"])["state"] == "slot 0").any()
+def test_slot_colours_name_every_clause_1_state(two_turn):
+    """The grid draws the checker's states; it classifies nothing itself."""
+    assert set(views.SLOT_COLOURS) == set(SLOT_STATES)
+    rows = views.slot_rows(two_turn["mlx"])
+    assert len(rows) == len(slot_states(two_turn["mlx"]))
+    assert (rows["state"] == "slot 0").any()
 
 
 def test_slot_grid(two_turn):
-    fig = plots.slot_grid(two_turn["normal"], two_turn["mlx"], rid="a")
+    fig = views.slot_grid(two_turn["normal"], two_turn["mlx"], rid="a")
     assert_readable(fig, 2)
     assert "0 of" in fig.axes[0].get_title() and "unrecorded" in fig.axes[1].get_title()
     assert not fig.axes[1].get_title().split("\n")[1].startswith("0 of")
@@ -64,7 +67,7 @@ def test_slot_grid(two_turn):
 
 def test_counter_drift(two_turn, run_cached):
     fixed = run_cached("two-turn", "mlx", "fix-chained-accounting")
-    fig = plots.counter_drift(two_turn["normal"], two_turn["mlx"], fixed, rid="a")
+    fig = views.counter_drift(two_turn["normal"], two_turn["mlx"], fixed, rid="a")
     assert_readable(fig, 3)
     assert "lag behind kv_computed: 0" in fig.axes[0].get_title()
     assert "lag behind kv_computed: 0" not in fig.axes[1].get_title()
@@ -73,31 +76,31 @@ def test_counter_drift(two_turn, run_cached):
 def test_radix_reuse_against_the_ideal(two_turn, run_cached):
     fixed = run_cached("two-turn", "mlx", "fix-chained-accounting")
     runs = (two_turn["normal"], two_turn["overlap"], two_turn["mlx"], fixed)
-    table = plots.radix_reuse_table(*runs)
+    table = views.radix_reuse_table(*runs)
     assert list(table["ideal"].unique()) == [27]
     cached = dict(zip(table["run"], table["cached_tokens"]))
     assert cached["normal"] == cached["overlap"] == 27
     assert cached["mlx"] < 27 <= cached["mlx + fix-chained-accounting"]
-    assert_readable(plots.radix_reuse(*runs), 1)
+    assert_readable(views.radix_reuse(*runs), 1)
 
 
 def test_step_stamps_replays(two_turn, run_cached):
     no_ct = run_cached("two-turn", "mlx", "no-forward-ct")
     no_ts = run_cached("two-turn", "mlx", "no-launch-ts")
-    fig = plots.step_stamps(two_turn["mlx"], no_ct, no_ts)
+    fig = views.step_stamps(two_turn["mlx"], no_ct, no_ts)
     assert_readable(fig, 3)
-    ok = plots.stamps_table(two_turn["mlx"])
+    ok = views.stamps_table(two_turn["mlx"])
     assert (ok["forward_ct"] == ok["expected_ct"]).all() and set(ok["launch_ts"]) == {"set"}
-    assert (plots.stamps_table(no_ct)["forward_ct"] == 0).all()
-    assert "None" in set(plots.stamps_table(no_ts)["launch_ts"])
-    summary = plots.crash_summary(no_ts)
+    assert (views.stamps_table(no_ct)["forward_ct"] == 0).all()
+    assert "None" in set(views.stamps_table(no_ts)["launch_ts"])
+    summary = views.crash_summary(no_ts)
     assert "TypeError" in summary and "_record_step_counters" in summary
     assert "/work" not in summary and "site-packages" not in summary
 
 
 def test_relay_events(run_cached):
     torch, mlx = run_cached("mixed-chunk", "overlap"), run_cached("mixed-chunk", "mlx")
-    fig = plots.relay_events(torch, mlx)
+    fig = views.relay_events(torch, mlx)
     assert_readable(fig, 2)
     assert "0 unpublished" in fig.axes[0].get_title()
     assert "0 unpublished" not in fig.axes[1].get_title()
@@ -105,7 +108,7 @@ def test_relay_events(run_cached):
 
 def test_idle_predicate(two_turn, run_cached):
     fixed = run_cached("two-turn", "mlx", "fix-idle-predicate")
-    fig = plots.idle_predicate(two_turn["overlap"], two_turn["mlx"], fixed)
+    fig = views.idle_predicate(two_turn["overlap"], two_turn["mlx"], fixed)
     assert_readable(fig, 3)
     assert "idle at 0 of" in fig.axes[0].get_title()
     assert "idle at 0 of" not in fig.axes[1].get_title()
@@ -115,33 +118,33 @@ def test_idle_predicate(two_turn, run_cached):
 def test_triage_tables(two_turn):
     frames = two_turn["mlx"]
     report = check(frames)
-    table = plots.report_table(report)
+    table = views.report_table(report)
     assert list(table["status"]) == [r.status for r in report.clauses.values()]
-    first = plots.first_violation(report)
+    first = views.first_violation(report)
     assert first["clause"] == 1 and first["field"] == "req_to_token"
-    around = plots.frames_around(frames, first["step"], rid="a")
+    around = views.frames_around(frames, first["step"], rid="a")
     assert list(around["step"]) == [first["step"] - 1, first["step"], first["step"] + 1]
-    assert plots.first_violation(check(two_turn["normal"], clauses="rfc")) is None
+    assert views.first_violation(check(two_turn["normal"], clauses="rfc")) is None
 
 
 def test_step_snapshot_and_figure(two_turn):
     frames = two_turn["mlx"]
-    text = plots.step_snapshot(frames, 7, "a")
+    text = views.step_snapshot(frames, 7, "a")
     assert text.startswith("step 7 of two-turn on mlx")
     assert "slot 0!" in text and "clause 1 (slots recorded)" in text
     rfc = check(two_turn["normal"], clauses="rfc")  # torch breaks only clause 6 (SGLang-wide)
-    assert plots.step_snapshot(two_turn["normal"], 7, "a", rfc).endswith("violations here: none")
-    assert "not known" in plots.step_snapshot(frames, 0, "a")
-    fig = plots.step_figure(frames, 7, "a")
+    assert views.step_snapshot(two_turn["normal"], 7, "a", rfc).endswith("violations here: none")
+    assert "not known" in views.step_snapshot(frames, 0, "a")
+    fig = views.step_figure(frames, 7, "a")
     assert _texts(fig)[0] and len(fig.axes) == 2
     fig.canvas.draw()
     with pytest.raises(ValueError, match="not in the"):
-        plots.step_figure(frames, 7, "zz")
+        views.step_figure(frames, 7, "zz")
 
 
 def test_step_explorer_builds_widgets(two_turn):
     pytest.importorskip("ipywidgets")
-    view = plots.step_explorer(two_turn["mlx"], step=7, rid="a")
+    view = views.step_explorer(two_turn["mlx"], step=7, rid="a")
     slider, dropdown = view.children[0].children
     assert (slider.value, dropdown.value) == (7, "a")
     slider.value = 8  # re-renders without a frontend
@@ -149,32 +152,134 @@ def test_step_explorer_builds_widgets(two_turn):
 
 def test_figures_survive_a_run_that_recorded_nothing(two_turn):
     """A run that died in setup has no frames; its panel says so instead of raising."""
-    dead = plots.Frames.from_rows({}, {
+    dead = Frames.from_rows({}, {
         "workload": "two-turn", "loop": "mlx", "patch": "bad", "status": "crashed",
         "steps": 0, "sglang_version": "0.5.23", "error": {
             "type": "OSError", "message": "could not get source code", "phase": "setup",
             "traceback": None}})
     ok = two_turn["normal"]
-    for build in (plots.launch_timeline, plots.relay_events, plots.idle_predicate,
-                  plots.step_stamps):
+    for build in (views.launch_timeline, views.relay_events, views.idle_predicate,
+                  views.step_stamps):
         fig = build(ok, dead)
         fig.canvas.draw()
         assert any("no frames recorded" in t.get_text() for ax in fig.axes for t in ax.texts)
-    plots.slot_grid(ok, dead, rid="a").canvas.draw()
-    plots.counter_drift(ok, dead, rid="a").canvas.draw()
-    table = plots.radix_reuse_table(ok, dead)
+    views.slot_grid(ok, dead, rid="a").canvas.draw()
+    views.counter_drift(ok, dead, rid="a").canvas.draw()
+    table = views.radix_reuse_table(ok, dead)
     assert table["cached_tokens"].isna().tolist() == [False, True]
-    plots.radix_reuse(ok, dead).canvas.draw()
-    assert "OSError" in plots.crash_summary(dead)
+    views.radix_reuse(ok, dead).canvas.draw()
+    assert "OSError" in views.crash_summary(dead)
 
 
 def test_audit_figure_and_table():
     from contract_lib.audit import audit
 
     result = audit("two-turn", progress=False)
-    table = plots.audit_table(result)
+    table = views.audit_table(result)
     assert "Scheduler.processed_tokens_counter" in set(table["field"])
-    fig = plots.audit_cadences(result)
+    fig = views.audit_cadences(result)
     ax = fig.axes[0]
     assert ax.get_xlabel() == "loop" and len(ax.get_yticklabels()) == len(table)
     assert any("Effects audit" in t.get_text() for t in fig.texts)
+
+
+def test_one_meaning_per_colour():
+    palette = {name: value for name, value in vars(style).items()
+               if name.isupper() and isinstance(value, str) and value.startswith("#")}
+    assert len(set(palette.values())) == len(palette), "two names for one colour"
+
+
+def test_panels_skip_runs_without_frames(two_turn):
+    dead = Frames.from_rows({}, {"workload": "two-turn", "loop": "mlx", "status": "crashed",
+                                 "steps": 0, "error": None})
+    view = style.panels([two_turn["normal"], dead])
+    assert [name for _, _, name in view] == ["normal"]
+    assert view.summary == ["mlx: no frames"]
+    with pytest.raises(ValueError, match="1 labels for 2 runs"):
+        style.panels([two_turn["normal"], dead], labels=["x"])
+
+
+def test_counter_drift_lines_end_at_the_finish_values(two_turn):
+    frames = two_turn["mlx"]
+    rows = frames.requests[frames.requests["rid"] == "a"]
+    end = rows[rows["finished"].astype(bool)].iloc[0]
+    for x in ("step", "emitted"):
+        fig = views.counter_drift(frames, rid="a", x=x)
+        computed, _, committed, _ = fig.axes[0].lines[:4]  # in COUNTER_STYLES order
+        assert computed.get_ydata()[-1] == end["kv_computed"]  # lines[0]: 27 before
+        assert committed.get_ydata()[-1] == end["kv_committed_len"]
+        assert committed.get_xdata()[-2] == end[x]
+    assert "tokens emitted" in views.counter_drift(frames, rid="a", x="emitted").axes[0].get_xlabel()
+    with pytest.raises(ValueError, match="x must be one of"):
+        views.counter_drift(frames, rid="a", x="time")
+
+
+def test_slot_ids_written_only_where_they_break_the_clause(two_turn):
+    fig = views.slot_grid(two_turn["mlx"], rid="a")
+    bad = len(check(two_turn["mlx"]).clauses[1].violations.query("rid == 'a'"))
+    assert len(fig.axes[0].texts) == bad > 0
+    assert len(views.slot_grid(two_turn["mlx"], rid="a", annotate="none").axes[0].texts) == 0
+    with pytest.raises(ValueError, match="annotate"):
+        views.slot_grid(two_turn["mlx"], rid="a", annotate="some")
+
+
+def test_radix_reuse_of_a_workload_given_as_a_toml_path(tmp_path, run_cached):
+    """A held-out workload that shares a shipped workload's name: the ideal comes from
+    the file, not from the shipped two-turn (which has no request x2)."""
+    path = tmp_path / "two-turn.toml"
+    path.write_text('name = "two-turn"\nmax_steps = 80\n\n'
+                    '[[requests]]\nrid = "x"\nprompt_range = [30, 45]\nmax_new_tokens = 5\n'
+                    'arrival = 0\n\n[[requests]]\nrid = "x2"\nturn_of = "x"\n'
+                    'prompt_range = [90, 93]\nmax_new_tokens = 3\narrival = 10\n')
+    import contract_lib
+
+    frames = contract_lib.run(str(path), "normal")
+    table = views.radix_reuse_table(frames, rid="x2", workload=path)
+    assert table["ideal"].tolist() == [15 + 5 - 1]
+    assert table["cached_tokens"].tolist() == [19]
+
+
+def test_clause_view_follows_the_violated_clause(two_turn, run_cached):
+    cases = {1: two_turn["mlx"],
+             3: run_cached("two-turn", "mlx", "fix-chained-accounting+no-forward-ct"),
+             4: run_cached("mixed-chunk", "overlap", "skip-relay-publish")}
+    titles = {1: "Clause 1", 3: "Clause 3", 4: "Clause 4"}
+    for clause, frames in cases.items():
+        report = check(frames)
+        assert int(views.first_violation(report)["clause"]) == clause
+        fig = views.clause_view(frames, report, two_turn["normal"])
+        assert fig.texts[0].get_text().startswith(titles[clause])
+    rfc = check(two_turn["normal"], clauses="rfc")  # torch breaks clause 6 (SGLang-wide)
+    assert views.clause_view(two_turn["normal"], rfc) is None
+
+
+def test_verdict_line_of_a_crashed_run(run_cached):
+    crashed = run_cached("two-turn", "mlx", "no-launch-ts")
+    line = views.verdict_line(crashed)
+    assert line.startswith("verdict: ") and "every clause holds" not in line
+    assert all(len(part) <= 100 for part in line.splitlines())
+
+
+def test_findings_beyond_the_rfc_text():
+    from contract_lib.audit import audit
+
+    text = views.beyond_rfc_text(audit("two-turn", progress=False))
+    assert "Scheduler.processed_tokens_counter" in text and "Req.decode_batch_idx" in text
+    assert "req_to_token" not in text and "kv_committed_len" not in text
+
+
+def test_memory_pressure_and_extension_views(run_cached):
+    runs = [run_cached("memory-pressure", "normal"), run_cached("memory-pressure", "mlx"),
+            run_cached("memory-pressure", "mlx", "fix-chained-accounting")]
+    torch, mlx, fixed = (views.memory_table(f) for f in runs)
+    assert torch["retractions"].iloc[-1] > 0 and mlx["retractions"].iloc[-1] == 0
+    assert fixed["retractions"].iloc[-1] == torch["retractions"].iloc[-1]
+    assert (mlx["computed"] > mlx["pool"]).any() and (torch["computed"] <= torch["pool"]).all()
+    assert_readable(views.memory_pressure(*runs), 3)
+    clock = views.clock_table(runs[1])
+    assert (clock["processed_tokens_counter"] == 0).all() and clock["prefilled"].sum() > 0
+    assert_readable(views.scheduling_clock(*runs), 3)
+    fig = views.retired_lanes(*runs)
+    assert_readable(fig, 3)
+    bad = len(check(runs[1]).clauses[7].violations)
+    assert f"{bad} violations" in fig.axes[1].get_title() and bad > 0

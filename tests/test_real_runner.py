@@ -165,18 +165,26 @@ def test_model_free_runs_keep_the_kv_tables_empty(run_cached):
 def test_kv_figures_and_token_table(two_turn, reference):
     import matplotlib
 
-    from contract_lib import plots
+    from contract_lib import views
 
     matplotlib.use("Agg")
     runs = (two_turn["unclamped"], two_turn["shipped"], two_turn["fixed"])
-    for fig, panels in ((plots.kv_writes(*runs, rid="a"), 3),
-                        (plots.kv_pool_verdicts(*runs, rid="a2"), 1)):
+    for fig, panels in ((views.kv_writes(*runs, rid="a"), 3),
+                        (views.kv_pool_verdicts(*runs, rid="a2"), 1)):
         assert fig.texts[0].get_text() and fig.legends
         assert len([ax for ax in fig.axes if ax.get_xlabel()]) == panels
         fig.canvas.draw()
-    fig = plots.kv_writes(*runs, rid="a")
+    fig = views.kv_writes(*runs, rid="a")
     assert "3 into slot 0, 8 into another live request (a2)" in fig.axes[0].get_title()
-    table = plots.token_table(*runs, reference=reference).set_index(["request", "run"])
+    table = views.token_table(*runs, reference=reference).set_index(["request", "run"])
     assert table.loc[("a2", "mlx real + unclamped-sync"), "matches"] == "NO"
     assert table.loc[("a2", "mlx real + unclamped-sync"), "tokens"].count("[") == 3
     assert table.loc[("a2", "mlx real + fix-chained-accounting"), "matches"] == "yes"
+    damage = views.damage_table(two_turn["unclamped"])
+    assert set(damage["target"]) == {"slot 0", "other live request"}
+    assert "a2" in set(damage["owner"]) and views.damage_table(two_turn["fixed"]).empty
+    same = views.same_tables(two_turn["unclamped"], two_turn["unclamped"])
+    assert all(same.values())
+    assert not views.same_tables(two_turn["unclamped"], two_turn["fixed"])["kv_syncs"]
+    summary = views.damage_summary(two_turn["unclamped"], reference)
+    assert summary["wrong output"] == "a2" and summary["into another live request"] == 8

@@ -1,0 +1,54 @@
+"""Figures and text tables of the notebook suite, one module per subject.
+
+Every figure takes :class:`~contract_lib.frames.Frames` and returns a
+:class:`matplotlib.figure.Figure` built without pyplot, with a title, a subtitle saying
+what to look at, labelled axes and a legend; several runs are drawn as side-by-side
+panels (:func:`~contract_lib.views.style.panels`). Colours mean one thing in every figure
+(:mod:`~contract_lib.views.style`). No module here checks a clause: they draw what
+:mod:`contract_lib.contract` decides. Nothing reads a wall clock, so a figure is the same
+for two runs of the same input.
+
+- :mod:`.style`: the palette, panels, titles, legends, wrapping;
+- :mod:`.launches`: fresh vs chained launches (overview);
+- :mod:`.slots`: clause 1, ``req_to_token`` rows;
+- :mod:`.counters`: clause 2, counter drift and radix reuse;
+- :mod:`.stamps`: clause 3; :mod:`.relay`: clause 4; :mod:`.idle`: clause 5;
+- :mod:`.tables`: clause table, frames around a step, crash summary, bug cards;
+- :mod:`.triage`: where to look first, one step of one request, the clause's own view;
+- :mod:`.extensions`: clauses 6 and 7, and clause 2 under memory pressure;
+- :mod:`.audit`: the effects audit; :mod:`.kvpool`: the real MLX runner's KV pool;
+- :mod:`.compare`: a run beside its references (clause statuses, verdicts, tokens);
+- :mod:`.notebook`: the set-up cell, the verdict line, a parameterised notebook's run.
+"""
+
+from contract_lib.views.audit import audit_cadences, audit_table, beyond_rfc_text
+from contract_lib.views.compare import clause_comparison, later_turns
+from contract_lib.views.counters import counter_drift, radix_reuse, radix_reuse_table
+from contract_lib.views.extensions import (clock_table, memory_pressure, memory_table,
+                                           retired_lanes, scheduling_clock)
+from contract_lib.views.idle import idle_predicate
+from contract_lib.views.kvpool import (damage_summary, damage_table, kv_pool_verdicts,
+                                       kv_writes, same_tables, token_table)
+from contract_lib.views.launches import launch_kinds, launch_timeline
+from contract_lib.views.notebook import Stop, checked_run, md, setup, verdict_line
+from contract_lib.views.relay import relay_events
+from contract_lib.views.slots import SLOT_COLOURS, slot_grid, slot_rows
+from contract_lib.views.stamps import stamps_table, step_stamps
+from contract_lib.views.style import panels, run_label, wrap
+from contract_lib.views.tables import (bug_card, crash_summary, frames_around, report_table,
+                                       text_table)
+from contract_lib.views.triage import (clause_view, first_violation, step_explorer,
+                                       step_figure, step_snapshot, triage_focus)
+
+__all__ = [
+    "SLOT_COLOURS", "audit_cadences", "audit_table", "beyond_rfc_text", "bug_card",
+    "checked_run", "clause_comparison", "clause_view", "clock_table", "counter_drift",
+    "crash_summary", "damage_summary", "damage_table", "first_violation",
+    "frames_around", "idle_predicate", "kv_pool_verdicts", "kv_writes", "later_turns",
+    "launch_kinds", "launch_timeline", "md", "memory_pressure", "memory_table",
+    "panels", "radix_reuse", "radix_reuse_table", "relay_events", "report_table",
+    "retired_lanes", "run_label", "same_tables", "scheduling_clock", "setup",
+    "slot_grid", "slot_rows", "stamps_table", "step_explorer", "step_figure",
+    "step_snapshot", "step_stamps", "Stop", "text_table", "token_table", "triage_focus",
+    "verdict_line", "wrap",
+]

@@ -1,0 +1,160 @@
+"""The one palette of the notebook suite and the helpers every figure shares.
+
+A colour means one thing in every figure (Okabe-Ito, distinguishable with the common
+colour-vision deficiencies):
+
+========== =========================================================================
+colour     meaning
+========== =========================================================================
+GREEN      holds / correct (a recorded slot, a published read, a set stamp)
+VERMILLION the violation itself (slot 0, an unpublished read, a missing stamp, lost KV)
+SALMON     a violation of a milder kind (a stale entry pointing at a free slot)
+BROWN      state left behind by someone else (a row's previous holder, a cached slot)
+PURPLE     another live request (a shared slot, KV written over another request's)
+BLUE       what the scheduler recorded (its counters, fresh launches, relay writes)
+ORANGE     a chained MLX launch, and what happens only without one
+SKY        prefill / extend work and the shared prompt prefix
+YELLOW     a mixed (extend + decode) batch
+BLACK      ground truth recorded at the model boundary (``kv_computed``, in flight)
+GREY       not checked / not applicable / never processed
+========== =========================================================================
+
+Every figure is built without pyplot (no global state, Agg-compatible).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from typing import Iterator, Sequence
+
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from contract_lib.frames import Frames
+
+GREEN, VERMILLION, SALMON, BROWN = "#009E73", "#D55E00", "#F4A582", "#8C510A"
+PURPLE, BLUE, ORANGE, SKY = "#CC79A7", "#0072B2", "#E69F00", "#56B4E9"
+YELLOW, BLACK, GREY = "#F0E442", "#000000", "#999999"
+LIGHT_GREEN, LIGHT_GREY, LIGHT_SKY = "#CFE8CF", "#E6E6E6", "#D6E9F5"
+
+STEP_LABEL = "step (scheduler-loop iteration)"
+
+
+def run_label(frames: Frames) -> str:
+    """``loop`` or ``loop + patch`` (``mlx real`` for the real runner): how a run is
+    named in panels and tables."""
+    patch = frames.meta.get("patch")
+    loop = f"{frames.loop} real" if frames.meta.get("runner") == "real" else frames.loop
+    return f"{loop} + {patch}" if patch else loop
+
+
+def labels_for(runs: Sequence[Frames], labels: Sequence[str] | None) -> list[str]:
+    """``labels`` checked against ``runs``, or each run's :func:`run_label`."""
+    if labels is None:
+        return [run_label(f) for f in runs]
+    if len(labels) != len(runs):
+        raise ValueError(f"{len(labels)} labels for {len(runs)} runs")
+    return list(labels)
+
+
+def wrap(text: str, width: int = 100, indent: str = "  ") -> str:
+    """Each line of ``text`` wrapped at ``width`` for a notebook's text output
+    (continuations indented)."""
+    return "\n".join("\n".join(textwrap.wrap(line, width, subsequent_indent=indent,
+                                             break_on_hyphens=False) or [""])
+                     for line in text.splitlines() or [""])
+
+
+def figure(n_panels: int, *, panel_width: float = 5.2, height: float = 4.2,
+           rows: int = 1, height_ratios: Sequence[float] | None = None,
+           sharey: bool = False):
+    """A constrained-layout figure with ``rows x n_panels`` axes, room left at the top
+    for a title and a subtitle (see :func:`titles`)."""
+    fig = Figure(figsize=(max(panel_width * n_panels, 6.5), height), layout="constrained")
+    axes = fig.subplots(rows, n_panels, squeeze=False, sharey=sharey,
+                        gridspec_kw={"height_ratios": height_ratios} if height_ratios else None)
+    return fig, axes
+
+
+def titles(fig: Figure, title: str, subtitle: str) -> None:
+    """Title (bold) and a subtitle saying what the reader should see, above the panels."""
+    width, height = fig.get_size_inches()
+    lines = textwrap.wrap(subtitle, width=int(width * 11.5)) or [""]
+    fig.text(0.5, 1 - 0.08 / height, title, ha="center", va="top", fontsize=12.5,
+             fontweight="bold")
+    fig.text(0.5, 1 - 0.36 / height, "\n".join(lines), ha="center", va="top", fontsize=9.5,
+             style="italic", color="#333333")
+    top = 1 - (0.5 + 0.17 * len(lines)) / height
+    fig.get_layout_engine().set(rect=(0, 0, 1, top))
+
+
+def legend(fig: Figure, handles: list, ncols: int | None = None) -> None:
+    fig.legend(handles=handles, loc="outside lower center", frameon=False, fontsize=8.5,
+               ncols=ncols or min(len(handles), 4))
+
+
+def int_ticks(ax, axis: str = "x") -> None:
+    """Integer ticks only (steps, positions, launches and counts are integers)."""
+    (ax.xaxis if axis == "x" else ax.yaxis).set_major_locator(
+        MaxNLocator(integer=True, min_n_ticks=1))
+
+
+def request_rows(frames: Frames, rid: str) -> pd.DataFrame:
+    """The ``requests`` rows of one request, by step; a one-line error naming the known
+    requests when it is not in the run."""
+    rows = frames.requests[frames.requests["rid"] == rid].sort_values("step")
+    if rows.empty:
+        known = ", ".join(dict.fromkeys(frames.requests["rid"]))
+        raise ValueError(f"request {rid!r} is not in the {run_label(frames)} run "
+                         f"(requests: {known})")
+    return rows
+
+
+def post_steps(steps: Sequence[int], values: Sequence[float]):
+    """x, y for ``step(where="post")`` so the last value spans its whole step."""
+    steps, values = list(steps), list(values)
+    if not steps:
+        return steps, values
+    return steps + [steps[-1] + 1], values + [values[-1]]
+
+
+def no_frames(ax, frames: Frames, name: str, summary: list[str]) -> bool:
+    """Mark a panel whose run recorded no step (it died in setup); True if so."""
+    if not frames.steps.empty:
+        return False
+    reason = f"run {frames.status}"
+    if frames.error:
+        reason += f":\n{frames.error['type']}: {textwrap.shorten(frames.error['message'], 50)}"
+    ax.text(0.5, 0.5, f"no frames recorded\n({reason})", ha="center", va="center",
+            transform=ax.transAxes, color=VERMILLION, fontsize=9)
+    ax.set_title(name, fontsize=10)
+    ax.set_xlabel(STEP_LABEL)
+    summary.append(f"{name}: no frames")
+    return True
+
+
+@dataclasses.dataclass
+class Panels:
+    """One panel per run: iterate for ``(ax, frames, name)`` of the runs that recorded
+    frames (a run without frames gets a marked panel and a summary entry instead);
+    ``summary`` collects one phrase per run for the subtitle."""
+
+    fig: Figure
+    axes: list
+    runs: Sequence[Frames]
+    names: list[str]
+    summary: list[str]
+
+    def __iter__(self) -> Iterator[tuple[object, Frames, str]]:
+        for ax, frames, name in zip(self.axes[0], self.runs, self.names):
+            if not no_frames(ax, frames, name, self.summary):
+                yield ax, frames, name
+
+
+def panels(runs: Sequence[Frames], labels: Sequence[str] | None = None,
+           **layout) -> Panels:
+    """A figure with one column of panels per run (``layout``: see :func:`figure`)."""
+    fig, axes = figure(len(runs), **layout)
+    return Panels(fig, axes, runs, labels_for(runs, labels), [])

@@ -1,0 +1,114 @@
+"""06-triage run as its users run it: papermill with parameters.
+
+A held-out workload given as a ``.toml`` path (named like a shipped workload, with a
+later turn the shipped one does not have), a patch, a run that crashes, and bad
+parameters that must stop at the first cell with the library's one-line message.
+Each test executes the notebook once (~20-60 s).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+import pytest
+
+papermill = pytest.importorskip("papermill")
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "06-triage.ipynb"
+
+HELD_OUT = """name = "two-turn"
+description = "held out: shares a shipped name, but its later turn is y2 of y"
+max_steps = 90
+
+[[requests]]
+rid = "y"
+prompt_range = [30, 44]
+max_new_tokens = 9
+arrival = 0
+
+[[requests]]
+rid = "z"
+prompt_range = [70, 80]
+max_new_tokens = 4
+arrival = 3
+
+[[requests]]
+rid = "y2"
+turn_of = "y"
+prompt_range = [100, 103]
+max_new_tokens = 3
+arrival = 14
+"""
+
+
+def _execute(tmp_path: Path, **parameters):
+    out = tmp_path / "out.ipynb"
+    error = None
+    try:
+        papermill.execute_notebook(str(NOTEBOOK), str(out), parameters=parameters,
+                                   kernel_name="python3", progress_bar=False,
+                                   cwd=str(NOTEBOOK.parent))
+    except papermill.PapermillExecutionError as raised:
+        error = raised
+    return nbformat.read(out, as_version=4), error
+
+
+def _text(notebook) -> list[str]:
+    """Each code cell's text outputs (streams, text/plain, errors), in order."""
+    texts = []
+    for cell in notebook.cells:
+        if cell.cell_type != "code":
+            continue
+        parts = []
+        for output in cell.get("outputs", []):
+            if output.output_type == "stream":
+                parts.append(output.text)
+            elif output.output_type == "error":
+                parts.append(f"{output.ename}: {output.evalue}\n" + "\n".join(output.traceback))
+            else:
+                parts.append(output.get("data", {}).get("text/plain", ""))
+        texts.append("".join(parts))
+    return texts
+
+
+def test_a_toml_workload_with_a_patch(tmp_path):
+    path = tmp_path / "held-out.toml"
+    path.write_text(HELD_OUT)
+    notebook, error = _execute(tmp_path, workload=str(path), loop="mlx",
+                               patch="fix-chained-accounting")
+    assert error is None, error
+    text = "\n".join(_text(notebook))
+    assert "verdict: " in text
+    # The comparison holds the unpatched run and both torch loops.
+    assert "mlx + fix-chained-accounting" in text and "overlap" in text
+    # The later turn of the .toml file, not the shipped two-turn's a2.
+    assert "y2, a later turn of y: cached_tokens against the ideal" in text
+    assert "a2, a later turn" not in text
+
+
+@pytest.mark.parametrize("parameters, message", [
+    (dict(loop="gpu"), "stopped: RunSetupError: unknown loop 'gpu'"),
+    (dict(workload="no-such-workload"), "stopped: WorkloadError: unknown workload"),
+    (dict(patch="no-such-patch"), "stopped: PatchError: unknown patch"),
+    (dict(server_args={"bogus_arg": 1}), "stopped: RunSetupError: unknown server arg"),
+])
+def test_bad_parameters_stop_at_the_first_cell(tmp_path, parameters, message):
+    notebook, error = _execute(tmp_path, compare=False, **parameters)
+    assert error is not None, "the notebook ran on past a bad parameter"
+    texts = _text(notebook)
+    failed = [i for i, t in enumerate(texts) if "stopped:" in t]
+    # The first code cell after the parameters (papermill inserts one cell).
+    assert failed == [2], texts[:4]
+    assert message in texts[2]
+    assert "Traceback" not in texts[2] and len(texts[2].strip().splitlines()) <= 2
+    assert not any(texts[3:]), "cells after the failure ran"
+
+
+def test_a_crashed_run_gets_its_verdict_not_every_clause_holds(tmp_path):
+    notebook, error = _execute(tmp_path, loop="mlx", patch="no-launch-ts", compare=False)
+    assert error is None, error
+    text = "\n".join(_text(notebook))
+    assert "every clause holds" not in text
+    assert "verdict: violated" in text and "crashed" in text
+    assert "TypeError" in text  # the crash's location is shown
