@@ -20,7 +20,7 @@ import ast
 import sys
 from pathlib import Path
 
-from contract_lib.contract import CLAUSE_SETS
+from contract_lib.contract import CLAUSE_SETS, CLAUSES
 from contract_lib.frames import Frames
 from contract_lib import loops
 from contract_lib.harness import RUNNERS, RunInterrupted, RunSetupError, run
@@ -240,6 +240,60 @@ def cmd_trace(args) -> int:
     return worst(_fate(frames) for frames in runs)
 
 
+def cmd_search(args) -> int:
+    from contract_lib.search import (FOUND_DIR, Campaign, SearchSetupError, search_many,
+                                     workload_size, write_found)
+
+    from tqdm.auto import tqdm
+
+    if args.loop not in loops.names():
+        raise RunSetupError(f"unknown loop {args.loop!r}; valid loops: "
+                            f"{', '.join(loops.names())}")
+    if args.budget < 1 or args.seeds < 1:
+        raise RunSetupError("--budget and --seeds must be at least 1")
+    patch = "+".join(args.patch) if args.patch else None
+    campaigns = [Campaign(args.loop, patch, args.clause, args.budget, args.seed + k,
+                          clauses=args.clauses, shrink_budget=args.shrink_budget, database=not args.no_database,
+                          cache=not args.no_cache) for k in range(args.seeds)]
+    bar = tqdm(total=args.budget * args.seeds, desc=f"search {args.loop}", unit="run",
+               file=sys.stderr, leave=False)
+
+    def progress(phase: str, _runs: int) -> None:
+        bar.set_description(f"search {args.loop} ({phase})")
+        bar.update(1)
+
+    client = None
+    try:
+        executor = None
+        if args.dask:
+            from distributed import Client
+
+            client = Client(args.dask)
+            executor = client.get_executor()
+        done = search_many(campaigns, executor, progress)
+    except SearchSetupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return Outcome.USAGE
+    finally:
+        bar.close()
+        if client is not None:
+            client.close()
+    found = [c for c in done if c.found]
+    for campaign in done:
+        print(f"seed {campaign.seed}: {campaign.examples} examples, {campaign.runs} runs, "
+              f"{campaign.rejected} discarded: "
+              f"{'found ' + campaign.found[1].kind if campaign.found else 'nothing found'}")
+    if not found:
+        print(f"no finding on --loop {args.loop}"
+              f"{' --patch ' + patch if patch else ''} within {args.budget} examples")
+        return Outcome.PASS
+    best = min(found, key=lambda c: tuple(workload_size(c.found[0]).values()))
+    path = write_found(best, args.out or FOUND_DIR)
+    print(best.found[1].line)
+    print(f"minimal workload written to {path}")
+    return Outcome.VIOLATED
+
+
 def cmd_cache(args) -> int:
     from contract_lib import cache
 
@@ -301,6 +355,35 @@ def build_parser() -> argparse.ArgumentParser:
                               help="real step times instead of synthetic, byte-stable ones")
     _add_speed_options(trace_parser)
     trace_parser.set_defaults(handler=cmd_trace)
+    search_parser = commands.add_parser(
+        "search", help="generate workloads until one breaks the contract, shrink it, write "
+        "it to data/workloads/found/; exit 1 found, 0 none within the budget, 2 set-up error")
+    search_parser.add_argument("--loop", required=True,
+                               help=f"one of: {', '.join(loops.names())}")
+    search_parser.add_argument("--patch", action="append", help="apply to the searched "
+                               "loop's runs (repeatable); the torch reference stays unpatched")
+    search_parser.add_argument("--clause", type=int, choices=sorted(CLAUSES), metavar="N",
+                               help="count only violations of clause N (crashes and unequal "
+                               "tokens still count)")
+    search_parser.add_argument("--clauses", choices=CLAUSE_SETS, default="all",
+                               help="the clause set checked, as for check (a catalogued "
+                               "SGLang-wide violation the torch loops share is no finding)")
+    search_parser.add_argument("--budget", type=int, default=100,
+                               help="examples to generate before giving up (default 100)")
+    search_parser.add_argument("--shrink-budget", type=int, default=150,
+                               help="runs allowed for shrinking a finding (default 150)")
+    search_parser.add_argument("--seed", type=int, default=0, help="Hypothesis seed")
+    search_parser.add_argument("--seeds", type=int, default=1, help="independent campaigns "
+                               "(seeds SEED, SEED+1, ...) run side by side")
+    search_parser.add_argument("--dask", metavar="ADDRESS", help="run on this Dask "
+                               "distributed scheduler (Client(ADDRESS).get_executor())")
+    search_parser.add_argument("--no-database", action="store_true", help="ignore "
+                               "Hypothesis' example database (.cache/hypothesis-search)")
+    search_parser.add_argument("--out", type=Path, help="the folder to write the minimal "
+                               "workload to (default: data/workloads/found)")
+    search_parser.add_argument("--no-cache", action="store_true",
+                               help="neither serve nor store runs in the frame cache")
+    search_parser.set_defaults(handler=cmd_search)
     cache_parser = commands.add_parser("cache", help="manage the frame cache")
     cache_parser.add_argument("action", choices=["clear", "path"])
     cache_parser.set_defaults(handler=cmd_cache)
