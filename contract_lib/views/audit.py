@@ -8,6 +8,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
+from contract_lib import loops
 from contract_lib.views.style import (GREEN, ORANGE, SALMON, SKY, VERMILLION, figure,
                                       legend, titles)
 
@@ -23,7 +24,7 @@ def audit_table(audit) -> pd.DataFrame:
     findings = audit.findings
     return pd.DataFrame({
         "field": findings["object"] + "." + findings["field"],
-        **{loop: findings[loop] for loop in ("normal", "overlap", "mlx")},
+        **{loop: findings[loop] for loop in loops.default_names() if loop in findings},
         "clause": findings["clause"].map(lambda c: "-" if pd.isna(c) else str(int(c))),
         "readers": findings["readers"],
     })
@@ -33,21 +34,21 @@ def audit_cadences(audit) -> Figure:
     """Findings x loops, each cell coloured by how often that loop's steps change the field
     (over decode launches); the right margin names the clause that covers it, if any."""
     table = audit_table(audit)
-    loops = ["normal", "overlap", "mlx"]
+    audited = [loop for loop in loops.default_names() if loop in table]
     fig, axes = figure(1, panel_width=8.5, height=2.2 + 0.32 * max(1, len(table)))
     ax = axes[0][0]
     for row, record in enumerate(table.itertuples(index=False)):
-        for col, loop in enumerate(loops):
+        for col, loop in enumerate(audited):
             ax.add_patch(Rectangle((col, row), 1, 1, edgecolor="white", linewidth=1.5,
                                    facecolor=_CADENCE_COLOURS[getattr(record, loop)]))
-        ax.text(len(loops) + 0.1, row + 0.5,
+        ax.text(len(audited) + 0.1, row + 0.5,
                 "no clause" if record.clause == "-" else f"clause {record.clause}",
                 va="center", fontsize=8.5,
                 color=VERMILLION if record.clause == "-" else "#333333",
                 fontweight="bold" if record.clause == "-" else "normal")
-    ax.set_xlim(0, len(loops) + 1.1)
+    ax.set_xlim(0, len(audited) + 1.1)
     ax.set_ylim(len(table), 0)
-    ax.set_xticks([i + 0.5 for i in range(len(loops))], loops)
+    ax.set_xticks([i + 0.5 for i in range(len(audited))], audited)
     ax.set_yticks([i + 0.5 for i in range(len(table))], table["field"], fontsize=8.5)
     ax.set_xlabel("loop")
     ax.set_ylabel("object.field")
