@@ -46,7 +46,7 @@
 #
 # This project adds two clauses and one field that the effects audit
 # ([07](07-effects-audit.ipynb)) found beyond the RFC, checked by default
-# (`contract_lib/extensions.py`; `check(frames, clauses="rfc")` checks the RFC's five only):
+# (`contract_lib/contract/`, clauses 6 and 7 in `clocks.py` and `retired.py`; `check(frames, clauses="rfc")` checks the RFC's five only):
 # clause 2 also covers `Req.decode_batch_idx`; **6 scheduling clocks advanced**
 # (`processed_tokens_counter`, HRRN's clock); **7 request state retired** (the backend's
 # per-request structures let go of released requests).

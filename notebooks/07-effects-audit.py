@@ -39,7 +39,7 @@ print(views.text_table(views.audit_table(result)))
 views.audit_cadences(result)
 
 # %%
-from contract_lib.extensions import EXTENDED_FIELDS, EXTENSION_CLAUSES
+from contract_lib.contract import EXTENDED_FIELDS, EXTENSION_CLAUSES
 
 findings = result.findings
 extended = {field for fields in EXTENDED_FIELDS.values() for field in fields}
@@ -125,7 +125,7 @@ views.md(
     "opposite directions.")
 
 # %% [markdown]
-# **This is now clause 6, "scheduling clocks advanced"** (`contract_lib/extensions.py`,
+# **This is now clause 6, "scheduling clocks advanced"** (`contract_lib/contract/clocks.py`,
 # an extension of the RFC's five clauses, checked by default): at every step boundary
 # the clock has advanced by exactly the tokens the previous step's launches prefilled.
 # The torch loops fail it (a catalogued SGLang-wide bug, `processed-tokens-counter`,
@@ -149,7 +149,7 @@ views.md(
 # (mamba) models, which this model-free suite does not exercise. So the lag is measured
 # here, but its damage is not.
 #
-# **This is now part of clause 2** (`contract_lib/extensions.py`): "counters advanced"
+# **This is now part of clause 2** (`contract_lib/contract/counters.py`): "counters advanced"
 # checks `Req.decode_batch_idx` beside `seq_lens` and `kv_committed_len` (expected:
 # `kv_computed - kv_prefilled`); same root cause, same fix (`fix-chained-accounting`).
 #
