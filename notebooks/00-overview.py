@@ -164,10 +164,11 @@ for frames in (overlap, mlx):
 # SGLang bug (`data/bugs.toml`), not a torch-loop failure. `violated-masked` means the
 # reader got the right answer only because another term of the predicate did.
 # `not-exercised` means the run never reached what the clause is about (the `normal` loop
-# has nothing in flight).
+# has nothing in flight). The `omni` column is a replacement loop from outside SGLang,
+# sglang-omni's `OmniScheduler`, on its pinned SGLang 0.5.22 ([09](09-omni.ipynb)).
 
 # %%
-measured = status(progress=False)
+measured = status(loops=("normal", "overlap", "mlx", "omni"), progress=False)
 print(measured.text())
 
 # %% [markdown]
