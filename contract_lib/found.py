@@ -3,15 +3,11 @@ header stating how it was found and the violation it shows (:mod:`contract_lib.s
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from contract_lib.workloads import WORKLOAD_DIR, Workload
-
-if TYPE_CHECKING:
-    from contract_lib.search import Campaign
 
 FOUND_DIR = WORKLOAD_DIR / "found"
 
@@ -49,21 +45,3 @@ def _toml(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_toml(v) for v in value) + "]"
     return repr(value)
-
-
-def write_found(campaign: "Campaign", directory: Path = FOUND_DIR) -> Path:
-    """Save the campaign's minimal workload as ``<directory>/<slug>.toml`` with a header
-    stating the command, the finding and its line."""
-    workload, finding = campaign.found
-    named = dataclasses.replace(workload, name=campaign.slug)
-    where = ", ".join(f"{k} {v}" for k, v in (("clause", finding.clause),
-                      ("field", finding.field), ("step", finding.step)) if v is not None)
-    header = [f"found by: {campaign.command()}",
-              f"finding: {finding.kind}{f' ({where})' if where else ''}",
-              " ".join(finding.line.split()),
-              f"{campaign.examples} examples tried, {campaign.runs} workloads run in all "
-              "(generation and shrinking)", ""]
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{campaign.slug}.toml"
-    path.write_text(to_toml(named, header))
-    return path

@@ -38,7 +38,7 @@ from contract_lib.patches import patch_spec
 from contract_lib.verdict import loop_mismatch, setup_failed
 from contract_lib.workloads import Workload
 # The minimal workload's file: re-exported here, where campaigns are run.
-from contract_lib.found import FOUND_DIR, to_toml, workload_size, write_found  # noqa: F401
+from contract_lib.found import FOUND_DIR, to_toml, workload_size  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 DATABASE_DIR = ROOT / ".cache" / "hypothesis-search"
@@ -349,3 +349,21 @@ def search_many(campaigns: list[Campaign], executor: Executor | None = None,
         threads.shutdown(wait=True, cancel_futures=True)
         if own:
             executor.shutdown(wait=True)
+
+
+def write_found(campaign: Campaign, directory: Path = FOUND_DIR) -> Path:
+    """Save the campaign's minimal workload as ``<directory>/<slug>.toml`` with a header
+    stating the command, the finding and its line."""
+    workload, finding = campaign.found
+    named = dataclasses.replace(workload, name=campaign.slug)
+    where = ", ".join(f"{k} {v}" for k, v in (("clause", finding.clause),
+                      ("field", finding.field), ("step", finding.step)) if v is not None)
+    header = [f"found by: {campaign.command()}",
+              f"finding: {finding.kind}{f' ({where})' if where else ''}",
+              " ".join(finding.line.split()),
+              f"{campaign.examples} examples tried, {campaign.runs} workloads run in all "
+              "(generation and shrinking)", ""]
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{campaign.slug}.toml"
+    path.write_text(to_toml(named, header))
+    return path
