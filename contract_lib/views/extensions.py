@@ -14,8 +14,8 @@ from matplotlib.patches import Patch
 from contract_lib.contract import check, live_mask
 from contract_lib.frames import Frames
 from contract_lib.views.style import (BLACK, BLUE, GREY, LIGHT_GREEN, LIGHT_GREY, ORANGE,
-                                      SALMON, STEP_LABEL, VERMILLION, int_ticks, legend,
-                                      panels, post_steps, titles)
+                                      SALMON, STEP_LABEL, VERMILLION, count_axes, int_ticks,
+                                      legend, panels, post_steps, titles)
 
 
 def clock_table(frames: Frames) -> pd.DataFrame:
@@ -45,10 +45,7 @@ def scheduling_clock(*runs: Frames, labels: Sequence[str] | None = None) -> Figu
         end = int(table["processed_tokens_counter"].iloc[-1])
         ax.set_title(f"{name} ({frames.meta['workload']})\nclock {end}, prefilled "
                      f"{int(table['prefilled'].sum())}", fontsize=10)
-        ax.set_xlabel(STEP_LABEL)
-        int_ticks(ax, "x")
-        int_ticks(ax, "y")
-        ax.grid(alpha=0.3)
+        count_axes(ax)
         view.summary.append(f"{name}: clock {end} for {int(table['prefilled'].sum())} "
                             "prefilled tokens")
     view.axes[0][0].set_ylabel("tokens")
@@ -148,10 +145,7 @@ def memory_pressure(*runs: Frames, labels: Sequence[str] | None = None) -> Figur
         ax.set_title(f"{name} ({frames.meta['workload']})\n"
                      f"{int(table['retractions'].iloc[-1])} retractions, computed above "
                      f"the pool at {over} steps", fontsize=10)
-        ax.set_xlabel(STEP_LABEL)
-        int_ticks(ax, "x")
-        int_ticks(ax, "y")
-        ax.grid(alpha=0.3)
+        count_axes(ax)
         view.summary.append(f"{name}: {int(table['retractions'].iloc[-1])} retractions, "
                             f"peak computed {int(table['computed'].max())}")
     view.axes[0][0].set_ylabel("positions (tokens) over the live requests")

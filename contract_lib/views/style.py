@@ -101,6 +101,14 @@ def int_ticks(ax, axis: str = "x") -> None:
         MaxNLocator(integer=True, min_n_ticks=1))
 
 
+def count_axes(ax) -> None:
+    """A step-by-count panel: step label, integer ticks on both axes, a light grid."""
+    ax.set_xlabel(STEP_LABEL)
+    int_ticks(ax, "x")
+    int_ticks(ax, "y")
+    ax.grid(alpha=0.3)
+
+
 def request_rows(frames: Frames, rid: str) -> pd.DataFrame:
     """The ``requests`` rows of one request, by step; a one-line error naming the known
     requests when it is not in the run."""
