@@ -116,6 +116,12 @@ def _library_fingerprint() -> str:
                      hashlib.sha256(p.read_bytes()).hexdigest()) for p in LIBRARY_FILES])
 
 
+def code_fingerprint(sglang_dir: Path | None = None) -> str:
+    """The SGLang files a run imports and this library's source, in one digest: a warm
+    server started from other files is stale (:mod:`contract_lib.pool`)."""
+    return _digest([_environment_fingerprint(sglang_dir), _library_fingerprint()])
+
+
 def _patch_sources(patch: str | None) -> list[Any]:
     """The source of every user patch module named in the spec (built-ins are library)."""
     sources = []

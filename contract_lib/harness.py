@@ -11,9 +11,11 @@ its runner (``runner=``: the model-free next-token function, or SGLang's real
 
 Nothing outlives the parent: children run in their own session (a terminal's Ctrl-C is
 the parent's to handle: it kills them and keeps the frames, :class:`RunInterrupted`),
-die with the parent if it is killed (:func:`contract_lib.child.die_with_parent`, and the
-fork servers' lifeline), and a run's log is an unnamed temporary file of which the
-parent reads only the tail.
+die with the parent if it is killed (a cold child by
+:func:`contract_lib.child.die_with_parent`, a warm one because the warm server kills a
+run whose requester's connection closed), and a run's log is an unnamed temporary file
+of which the parent reads only the tail. The warm servers themselves outlive the parent
+(:mod:`contract_lib.pool`): they exit when idle or on ``server stop``.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from contract_lib.child import user_server_args
 from contract_lib.frames import Frames, run_title
 from contract_lib.paths import MODEL_DIR
 from contract_lib.patches import PatchArg, patch_spec
-from contract_lib.pool import POOL, child_env
+from contract_lib.pool import POOL, ServerUnavailable, child_env
 from contract_lib.protocol import RunSetupError, collect, frames_of, interrupted_error
 from contract_lib.serverargs import problems
 from contract_lib.versions import require_supported_sglang, sglang_path
@@ -263,11 +265,10 @@ def _execute(spec: dict[str, Any], meta: dict[str, Any], hang_timeout: float,
     with tempfile.TemporaryFile(prefix="contract_lib-", suffix=".log") as log:
         read_fd, write_fd = os.pipe()
         receiver = Connection(read_fd, writable=False)
-        server = child = None
+        child = None
         try:
             try:
-                server, child = _start(spec, write_fd, log.fileno(), warm, sglang_dir,
-                                       cancel)
+                child = _start(spec, write_fd, log.fileno(), warm, sglang_dir, cancel)
             finally:
                 os.close(write_fd)
             return collect(receiver, child, meta, hang_timeout, log.fileno(), cancel)
@@ -280,30 +281,23 @@ def _execute(spec: dict[str, Any], meta: dict[str, Any], hang_timeout: float,
             if child is not None and child.returncode is None:
                 child.kill()
                 child.wait()
-            if server is not None:
-                clean = child is not None and not getattr(child, "server_lost", False)
-                (POOL.release if clean else POOL.discard)(server)
 
 
 def _start(spec: dict[str, Any], write_fd: int, log_fd: int, warm: bool,
            sglang_dir: Path | None, cancel: threading.Event | None):
-    """The run's child, and the fork server it came from (None for a cold child). Warm:
-    the run's server args are checked against the release's ``ServerArgs`` first."""
+    """The run's child: forked by the warm server of the run's SGLang folder
+    (:mod:`contract_lib.pool`; started on first use), else a cold interpreter (``warm``
+    false, servers switched off, or no server could be used: one warning). Warm: the
+    run's server args are checked against the release's ``ServerArgs`` first."""
     server = POOL.acquire(sglang_dir) if warm else None
     if server is not None:
         try:
             found = problems(user_server_args(spec), server.server_arg_kinds(cancel))
-            child = None if found else server.start_run(spec, write_fd, log_fd, cancel)
-        except (EOFError, OSError):  # the server died before the run started: go cold
-            POOL.discard(server)
-        except BaseException:  # interrupted mid-request: the server's state is unknown
-            POOL.discard(server)
-            raise
-        else:
             if found:
-                POOL.release(server)
                 raise RunSetupError("; ".join(found))
-            return server, child
+            return server.start_run(spec, write_fd, log_fd, cancel)
+        except (ServerUnavailable, EOFError, OSError) as exc:  # go cold
+            POOL.unavailable(exc)
     child = subprocess.Popen(
         [sys.executable, "-c",
          "from contract_lib.child import _child_entry; _child_entry()",
@@ -317,4 +311,4 @@ def _start(spec: dict[str, Any], write_fd: int, log_fd: int, warm: bool,
         child.kill()
         child.wait()
         raise
-    return None, child
+    return child

@@ -1,46 +1,98 @@
-"""Warm workers: fork servers that import SGLang once and fork a fresh child per run.
+"""Warm servers, client side: find (or start) the one server per SGLang folder and ask it
+to fork a run.
 
-A cold run spends ~5 s importing SGLang before a ~1 s Scheduler build and a ~20 ms loop.
-A :class:`ForkServer` pays the import once; every run is still its own process (forked
-from the server, so nothing one run does to SGLang's classes or modules reaches the
-next), builds its own Scheduler, and streams its frames exactly as a cold child does.
+A cold run spends ~5 s importing SGLang before a ~0.5 s Scheduler build and a ~20 ms
+loop. A warm server (:mod:`contract_lib.server`) pays the import once and outlives the
+command that started it, so the next command, notebook kernel or thread forks its run
+from it. Every run is still its own process, forked per run, with its own Scheduler.
 
-Protocol (one request at a time per server, over a UNIX socket pair): ``("run", spec)``
-with two file descriptors (``socket.send_fds``): the write end of the run's message pipe
-and the run's log file. The server forks; it replies with the child's pid, then, after
-``waitpid``, with the child's return code (negative: signal). ``("server-arg-types",)``:
-the server replies with the kinds of value each ``ServerArgs`` field accepts
-(:mod:`contract_lib.serverargs`), so the client checks a run's server args before any
-child starts.
+Where: one UNIX socket per server in :func:`server_dir` (``$CONTRACT_LIB_SERVER_DIR``,
+else ``$XDG_RUNTIME_DIR/contract_lib``, else ``.cache/servers`` in the checkout), a
+directory only the user can enter (0700, owned by the user; anything else is refused).
+A server is named by a key of the interpreter, this library's folder, the SGLang folder
+first on the run's ``PYTHONPATH`` (``sglang_dir``; None: the venv's) and the ``SGLANG*``
+environment variables (read by SGLang at import), so every thread and process asking for
+the same release finds the same server. ``<key>.sock`` is the socket, ``<key>.lock``
+serialises starts (two processes starting at once: one starts, the other connects),
+``<key>.log`` is the server's own output.
 
-Nothing outlives the client: a server runs in its own session (a terminal's Ctrl-C is
-the client's to handle), holds the read end of a *lifeline* pipe whose write end only the
-client has, and a thread that sees the lifeline close (the client exited or was killed)
-kills the current run and exits. Every run child dies with its server
-(:func:`contract_lib.child.die_with_parent`).
+Staleness: each run request carries the client's fingerprint of the SGLang files and
+this library's source (:func:`contract_lib.cache.code_fingerprint`); a server started
+from other files answers ``stale`` and the client retires it (it exits once its runs
+end) and starts a fresh one.
+
+Protocol (one connection per request; pickled tuples, a 4-byte length first; file
+descriptors ride with ``socket.send_fds``):
+
+- ``("run", spec, context, fingerprint)`` with two fds (the write end of the run's
+  message pipe, the run's log file): the server forks, replies ``("pid", pid)``, later
+  ``("exit", code)`` (negative: signal). Closing the connection before that kills the
+  run: a run dies with the process that asked for it.
+- ``("server-arg-types", fingerprint)``: the kinds of value each ``ServerArgs`` field
+  accepts (:mod:`contract_lib.serverargs`), so a bad server arg fails before any child.
+- ``("status",)``, ``("stop",)`` (kill the runs, exit now), ``("retire",)`` (remove the
+  socket, exit once the runs end).
+
+Switches: ``CONTRACT_LIB_SERVER=off`` (or ``--cold`` / ``warm=False``) starts a cold
+interpreter per run; a server directory that cannot be used, or a server that cannot
+start, costs one :class:`ServerWarning` and the run goes cold. Idle time before a
+server exits: ``$CONTRACT_LIB_SERVER_IDLE_S`` (default :data:`DEFAULT_IDLE_S`).
 """
 
 from __future__ import annotations
 
-import atexit
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
 import os
 import pickle
 import select
-import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
 import threading
+import time
+import warnings
+from pathlib import Path
 
-from contract_lib.child import child_run, die_with_parent
+from contract_lib.paths import PACKAGE_DIR, PROJECT_ROOT
 
+SERVER_DIR_ENV = "CONTRACT_LIB_SERVER_DIR"
+SERVER_SWITCH_ENV = "CONTRACT_LIB_SERVER"  # "off": cold children only
+IDLE_ENV = "CONTRACT_LIB_SERVER_IDLE_S"
+DEFAULT_IDLE_S = 900.0  # a server exits after 15 minutes without a request or a run
+START_TIMEOUT_S = 180.0  # importing SGLang takes 5-6 s; under load much longer
 _HEADER = struct.Struct("!I")
 # Seconds between checks of a cancel event while waiting for a server's reply.
 _WAIT_STEP_S = 0.25
 
 
-def _send(sock: socket.socket, obj, fds: list[int] = ()) -> None:
+class ServerUnavailable(RuntimeError):
+    """No warm server can be used (directory, socket or start failed); runs go cold."""
+
+
+class ServerWarning(UserWarning):
+    """A warm server could not be used; the run went cold (slower, same frames)."""
+
+
+_warned: set[str] = set()
+
+
+def _warn(message: str) -> None:
+    """One line, once per process and message."""
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn_explicit(message, ServerWarning, filename=__name__, lineno=0)
+
+
+# -- wire format ---------------------------------------------------------------------------
+
+
+def send(sock: socket.socket, obj, fds: list[int] = ()) -> None:
     payload = pickle.dumps(obj)
     data = _HEADER.pack(len(payload)) + payload
     if fds:
@@ -49,255 +101,380 @@ def _send(sock: socket.socket, obj, fds: list[int] = ()) -> None:
         sock.sendall(data)
 
 
-def _recv(sock: socket.socket, with_fds: int = 0):
+def recv(sock: socket.socket, with_fds: int = 0):
+    """One message and the fds that came with it; EOFError when the peer closed."""
     if with_fds:
         data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 20, with_fds)
     else:
         data, fds = sock.recv(_HEADER.size), []
     if not data:
-        raise EOFError("fork server closed the connection")
+        raise EOFError("the warm server closed the connection")
     while len(data) < _HEADER.size:
-        data += sock.recv(_HEADER.size - len(data))
+        chunk = sock.recv(_HEADER.size - len(data))
+        if not chunk:
+            raise EOFError("the warm server closed the connection")
+        data += chunk
     (size,) = _HEADER.unpack(data[:_HEADER.size])
     payload = data[_HEADER.size:]
     while len(payload) < size:
         chunk = sock.recv(size - len(payload))
         if not chunk:
-            raise EOFError("fork server closed the connection")
+            raise EOFError("the warm server closed the connection")
         payload += chunk
     return pickle.loads(payload), fds
 
 
 def child_env(sglang_dir=None) -> dict[str, str]:
-    """The environment of a run's process (cold child or fork server): this process's
+    """The environment of a run's process (cold child or warm server): this process's
     ``sys.path`` as ``PYTHONPATH``, with the SGLang release folder first when given, and
     a fixed ``PYTHONHASHSEED``: SGLang iterates sets of request ids (e.g. 0.5.21's
     ``_cleanup_stale_rids`` removes stale requests, syncing their KV, in set order), so
     without it two processes could order the same writes differently."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(_child_path(sglang_dir)),
+            "PYTHONHASHSEED": "0"}
+
+
+def _child_path(sglang_dir) -> list[str]:
     paths = [str(sglang_dir)] if sglang_dir is not None else []
-    paths += [p for p in sys.path if p and p != str(sglang_dir)]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONHASHSEED": "0"}
+    return paths + [p for p in sys.path if p and p != str(sglang_dir)]
 
 
-class ForkServer:
-    """A server process with SGLang imported; :meth:`start_run` forks one child per run.
-    ``sglang_dir``: the release folder first on its ``PYTHONPATH`` (None: the venv's)."""
+# -- where servers live --------------------------------------------------------------------
 
-    def __init__(self, sglang_dir=None) -> None:
+
+def enabled() -> bool:
+    return os.environ.get(SERVER_SWITCH_ENV, "").lower() not in ("off", "0", "no", "false")
+
+
+def idle_seconds() -> float:
+    try:
+        return float(os.environ.get(IDLE_ENV) or DEFAULT_IDLE_S)
+    except ValueError:
+        return DEFAULT_IDLE_S
+
+
+def server_dir() -> Path:
+    """``$CONTRACT_LIB_SERVER_DIR``, else ``$XDG_RUNTIME_DIR/contract_lib``, else
+    ``.cache/servers`` in the project checkout."""
+    if os.environ.get(SERVER_DIR_ENV):
+        return Path(os.environ[SERVER_DIR_ENV])
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return Path(os.environ["XDG_RUNTIME_DIR"]) / "contract_lib"
+    return PROJECT_ROOT / ".cache" / "servers"
+
+
+def private_dir(directory: Path) -> Path:
+    """``directory``, created 0700 if missing; refused (:class:`ServerUnavailable`) unless
+    it is a real directory owned by this user that no one else can enter."""
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = os.lstat(directory)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            raise ServerUnavailable(f"server directory {directory} is not a directory of "
+                                    "this user")
+        if info.st_mode & 0o077:
+            os.chmod(directory, 0o700)
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "not writable", str(directory))
+    except OSError as exc:
+        raise ServerUnavailable(f"server directory {directory} cannot be used ({exc})") \
+            from exc
+    return directory
+
+
+def server_key(sglang_dir) -> str:
+    """The name of the server for ``sglang_dir`` (see the module docstring)."""
+    sglang_env = sorted((k, v) for k, v in os.environ.items() if k.startswith("SGL"))
+    return hashlib.sha256(json.dumps(
+        [sys.executable, str(PACKAGE_DIR), None if sglang_dir is None else str(sglang_dir),
+         sglang_env]).encode()).hexdigest()[:16]
+
+
+# -- one server, from the client ----------------------------------------------------------
+
+
+class Server:
+    """The client's handle on the server of one key: requests open a connection each."""
+
+    def __init__(self, directory: Path, sglang_dir) -> None:
+        self.directory = directory
         self.sglang_dir = sglang_dir
-        parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        lifeline, write_end = os.pipe()  # only this process holds the write end
-        self.lifeline: int | None = write_end
-        env = child_env(sglang_dir)
-        try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-c", "from contract_lib.pool import serve; serve()",
-                 str(child_end.fileno()), str(lifeline)],
-                pass_fds=(child_end.fileno(), lifeline), stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                start_new_session=True)
-        finally:
-            child_end.close()
-            os.close(lifeline)
-        self.sock = parent_end
+        self.key = server_key(sglang_dir)
+        self.socket_path = directory / f"{self.key}.sock"
+        self.lock_path = directory / f"{self.key}.lock"
+        self.log_path = directory / f"{self.key}.log"
         self.arg_kinds: dict | None = None
 
-    def alive(self) -> bool:
-        return self.process.poll() is None
+    def fingerprint(self) -> str:
+        from contract_lib.cache import code_fingerprint
+
+        return code_fingerprint(None if self.sglang_dir is None else Path(self.sglang_dir))
+
+    # connections
+
+    def connect(self) -> socket.socket | None:
+        """A connection to the running server, or None when none listens."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(self.socket_path))
+        except (FileNotFoundError, ConnectionRefusedError):
+            sock.close()
+            return None
+        except OSError as exc:  # e.g. a path too long for a UNIX socket
+            sock.close()
+            raise ServerUnavailable(f"cannot reach {self.socket_path} ({exc})") from exc
+        return sock
+
+    def ask(self, request: tuple):
+        """A request without fds to the running server; None when none listens."""
+        sock = self.connect()
+        if sock is None:
+            return None
+        with sock:
+            try:
+                send(sock, request)
+                return recv(sock)[0]
+            except (EOFError, OSError):
+                return None
+
+    def open(self, request: tuple, fds: list[int] = (),
+             cancel: threading.Event | None = None) -> tuple[socket.socket, tuple]:
+        """Send ``request + (fingerprint,)`` to a current server, starting (or
+        replacing a stale) one first when needed; returns the connection and the reply."""
+        fingerprint = self.fingerprint()
+        for _ in range(3):
+            sock = self.connect()
+            if sock is None:
+                self.start(fingerprint)
+                continue
+            try:
+                send(sock, (*request, fingerprint), fds)
+                reply, _ = _reply(sock, cancel)
+            except BaseException:
+                sock.close()
+                raise
+            if reply[0] != "stale":
+                return sock, reply
+            sock.close()
+            self.start(fingerprint)
+        raise ServerUnavailable(f"the warm server {self.socket_path} kept refusing runs")
 
     def server_arg_kinds(self, cancel: threading.Event | None = None) -> dict:
-        """The kinds of value each ``ServerArgs`` field accepts, asked once per server."""
+        """The kinds of value each ``ServerArgs`` field accepts, asked once per handle."""
         if self.arg_kinds is None:
-            _send(self.sock, ("server-arg-types",))
-            (kind, self.arg_kinds), _ = self._reply(cancel)
+            sock, (kind, self.arg_kinds) = self.open(("server-arg-types",), cancel=cancel)
+            sock.close()
             assert kind == "server-arg-types", kind
         return self.arg_kinds
 
     def start_run(self, spec: dict, write_fd: int, log_fd: int,
                   cancel: threading.Event | None = None) -> "WarmChild":
-        _send(self.sock, ("run", spec), [write_fd, log_fd])
-        (kind, pid), _ = self._reply(cancel)
+        context = {"cwd": os.getcwd(), "path": _child_path(self.sglang_dir),
+                   "env": child_env(self.sglang_dir)}
+        sock, (kind, pid) = self.open(("run", spec, context), [write_fd, log_fd], cancel)
         assert kind == "pid", kind
-        return WarmChild(self, pid)
+        return WarmChild(sock, pid)
 
-    def _reply(self, cancel: threading.Event | None):
-        """The server's next message; a set ``cancel`` raises KeyboardInterrupt (the
-        server, in an unknown state, is then the caller's to discard)."""
-        while not select.select([self.sock], [], [], _WAIT_STEP_S)[0]:
-            if cancel is not None and cancel.is_set():
-                raise KeyboardInterrupt("cancelled")
-        return _recv(self.sock)
+    # lifecycle
 
-    def close(self) -> None:
-        """Close the socket and the lifeline (the server exits) and make sure it is gone."""
+    @contextlib.contextmanager
+    def _locked(self):
+        with open(self.lock_path, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    def start(self, fingerprint: str) -> None:
+        """Make a server of ``fingerprint`` listen on the socket: one already does (another
+        process started it meanwhile), or retire a stale one and start a new one."""
+        with self._locked():
+            status = self.ask(("status",))
+            if status is not None and status["fingerprint"] == fingerprint:
+                return
+            if status is not None:
+                self.ask(("retire",))  # removes its socket; exits once its runs end
+            with contextlib.suppress(FileNotFoundError):
+                self.socket_path.unlink()  # a dead server's (connection refused)
+            self._spawn(fingerprint)
+
+    def _spawn(self, fingerprint: str) -> None:
+        ready_read, ready_write = os.pipe()
         try:
-            self.sock.close()
-            if self.lifeline is not None:
-                os.close(self.lifeline)
-                self.lifeline = None
+            with open(self.log_path, "wb") as log:
+                starter = subprocess.Popen(
+                    [sys.executable, "-c", "from contract_lib.server import main; main()",
+                     str(self.socket_path), fingerprint, str(idle_seconds()),
+                     str(ready_write), "" if self.sglang_dir is None else str(self.sglang_dir)],
+                    pass_fds=(ready_write,), stdin=subprocess.DEVNULL, stdout=log,
+                    stderr=log, env=child_env(self.sglang_dir), start_new_session=True)
+            os.close(ready_write)
+            ready_write = None
+            starter.wait()  # the server forks itself away from this process at once
+            deadline = time.monotonic() + START_TIMEOUT_S
+            answer = b""
+            while not answer.endswith(b"\n"):
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([ready_read], [], [], left)[0]:
+                    raise ServerUnavailable(self._failed("did not start in "
+                                                         f"{START_TIMEOUT_S:.0f} s"))
+                chunk = os.read(ready_read, 64)
+                if not chunk:
+                    raise ServerUnavailable(self._failed("exited while starting"))
+                answer += chunk
         finally:
-            if self.alive():
-                self.process.kill()
-                self.process.wait()
+            os.close(ready_read)
+            if ready_write is not None:
+                os.close(ready_write)
+
+    def _failed(self, what: str) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            lines = []
+        last = f": {lines[-1]}" if lines else ""
+        return f"the warm server for {self.label()} {what} (log: {self.log_path}){last}"
+
+    def label(self) -> str:
+        return "the venv's SGLang" if self.sglang_dir is None else str(self.sglang_dir)
+
+
+def _reply(sock: socket.socket, cancel: threading.Event | None):
+    """The server's next message; a set ``cancel`` raises KeyboardInterrupt."""
+    while not select.select([sock], [], [], _WAIT_STEP_S)[0]:
+        if cancel is not None and cancel.is_set():
+            raise KeyboardInterrupt("cancelled")
+    return recv(sock)
 
 
 class WarmChild:
     """The client's handle on one forked run (the interface of ``subprocess.Popen`` that
     the harness uses: ``poll``, ``kill``, ``wait``, ``returncode``)."""
 
-    def __init__(self, server: ForkServer, pid: int) -> None:
-        self.server = server
+    def __init__(self, sock: socket.socket, pid: int) -> None:
+        self.sock = sock
         self.pid = pid
         self.returncode: int | None = None
-        # True when the fork server itself died during the run: the run's exit status is
-        # then unknown, and its process (the server's child) is killed.
+        # True when the server died (or was stopped) during the run: the run's exit
+        # status is then unknown, and its process (the server's child) is killed.
         self.server_lost = False
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            readable, _, _ = select.select([self.server.sock], [], [], 0)
-            if readable:
-                self.wait()
+        if self.returncode is None and select.select([self.sock], [], [], 0)[0]:
+            self.wait()
         return self.returncode
 
     def kill(self) -> None:
-        try:
-            os.kill(self.pid, 9)
-        except ProcessLookupError:
-            pass
+        """Ask the server to kill the run (it does so when this side of the connection
+        closes for writing); the exit code follows."""
+        if self.returncode is None:
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_WR)
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            self.server.sock.settimeout(timeout)
+            self.sock.settimeout(timeout)
             try:
-                (kind, code), _ = _recv(self.server.sock)
-            except (EOFError, ConnectionError):
+                (kind, code), _ = recv(self.sock)
+                assert kind == "exit", kind
+                self.returncode = code
+            except (EOFError, OSError):  # the server is gone or does not answer
                 self.server_lost = True
-                self.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, 9)
                 self.returncode = -9
-                return self.returncode
             finally:
-                self.server.sock.settimeout(None)
-            assert kind == "exit", kind
-            self.returncode = code
+                self.sock.close()
         return self.returncode
 
 
 class Pool:
-    """Idle fork servers per SGLang release folder, started on demand and reused; closed
-    at interpreter exit."""
+    """The warm server of each SGLang folder, for this process's threads."""
 
     def __init__(self) -> None:
-        self.idle: dict[str | None, list[ForkServer]] = {}
+        self.servers: dict[tuple[str, str], Server] = {}
         self.lock = threading.Lock()
-        atexit.register(self.close)
 
-    @staticmethod
-    def _key(sglang_dir) -> str | None:
-        return None if sglang_dir is None else str(sglang_dir)
-
-    def acquire(self, sglang_dir=None) -> ForkServer:
+    def acquire(self, sglang_dir=None) -> Server | None:
+        """The handle on ``sglang_dir``'s server (started on the first request), or None
+        when servers are switched off or their directory cannot be used (one warning)."""
+        if not enabled():
+            return None
+        try:
+            directory = private_dir(server_dir())
+        except ServerUnavailable as exc:
+            _warn(f"{exc}; runs start cold")
+            return None
+        key = (str(directory), server_key(sglang_dir))
         with self.lock:
-            idle = self.idle.setdefault(self._key(sglang_dir), [])
-            while idle:
-                server = idle.pop()
-                if server.alive():
-                    return server
-                server.close()
-        return ForkServer(sglang_dir)
+            if key not in self.servers:
+                self.servers[key] = Server(directory, sglang_dir)
+            return self.servers[key]
 
-    def release(self, server: ForkServer) -> None:
-        with self.lock:
-            if server.alive():
-                self.idle.setdefault(self._key(server.sglang_dir), []).append(server)
-
-    def discard(self, server: ForkServer) -> None:
-        server.close()
-
-    def close(self) -> None:
-        with self.lock:
-            servers = [server for idle in self.idle.values() for server in idle]
-            self.idle = {}
-        for server in servers:
-            server.close()
+    def unavailable(self, exc: BaseException) -> None:
+        _warn(f"{exc}; this run starts cold")
 
 
 POOL = Pool()
 
 
-# ------------------------------------------------------------------------------------------
-# The server side.
-# ------------------------------------------------------------------------------------------
+# -- every server of a directory (the `server` command, tests) -----------------------------
 
 
-def preload() -> None:
-    """Import what every run imports (with the import-time shims), nothing run-specific:
-    per-loop shims and patches are applied in each forked child, never in the server."""
-    from contract_lib import shims
-
-    shims.install_import_shims()
-    import sglang.srt.hardware_backend.mlx.model_runner  # noqa: F401
-    import sglang.srt.hardware_backend.mlx.model_runner_stub  # noqa: F401
-    import sglang.srt.hardware_backend.mlx.runtime  # noqa: F401
-    import sglang.srt.hardware_backend.mlx.scheduler_mixin  # noqa: F401
-    import sglang.srt.hardware_backend.mlx.tp_worker  # noqa: F401
-    import sglang.srt.managers.scheduler  # noqa: F401
-    import sglang.srt.server_args  # noqa: F401
-    import mlx_lm.models.llama  # noqa: F401  (the tiny model of the real MLX runner)
+def _servers(directory: Path) -> list[Server]:
+    return [_by_socket(directory, path) for path in sorted(directory.glob("*.sock"))]
 
 
-def serve() -> None:
-    """Server main loop: one request at a time; exits when the client closes the socket
-    or its lifeline (then killing the run in progress)."""
-    from multiprocessing.connection import Connection
+def _by_socket(directory: Path, path: Path) -> Server:
+    server = Server.__new__(Server)
+    server.directory, server.sglang_dir, server.key = directory, None, path.stem
+    server.socket_path, server.lock_path = path, directory / f"{path.stem}.lock"
+    server.log_path, server.arg_kinds = directory / f"{path.stem}.log", None
+    return server
 
-    from contract_lib.serverargs import accepted_kinds
 
-    sock = socket.socket(fileno=int(sys.argv[1]))
-    current: dict[str, int] = {}
-    threading.Thread(target=_watch_lifeline, args=(int(sys.argv[2]), current),
-                     daemon=True).start()
-    preload()
-    server_pid = os.getpid()
-    while True:
-        try:
-            request, fds = _recv(sock, with_fds=2)
-        except (EOFError, ConnectionError):
-            return
-        if request[0] == "server-arg-types":
-            from sglang.srt.server_args import ServerArgs
-
-            _send(sock, ("server-arg-types", accepted_kinds(ServerArgs)))
+def statuses(directory: Path | None = None) -> list[dict]:
+    """The status of every server listening in ``directory`` (default: :func:`server_dir`);
+    a dead server's socket file is removed."""
+    directory = directory or server_dir()
+    if not directory.is_dir():
+        return []
+    found = []
+    for server in _servers(directory):
+        status = server.ask(("status",))
+        if status is None:
+            with server._locked():
+                if server.ask(("status",)) is None:
+                    server.socket_path.unlink(missing_ok=True)
             continue
-        spec = request[1]
-        write_fd, log_fd = fds
-        pid = os.fork()
-        if pid == 0:
-            die_with_parent(server_pid)
-            sock.close()
-            os.dup2(log_fd, 1)
-            os.dup2(log_fd, 2)
-            child_run(spec, Connection(write_fd, readable=False))
-            os._exit(0)
-        current["pid"] = pid
-        os.close(write_fd)
-        os.close(log_fd)
-        _send(sock, ("pid", pid))
-        _, status = os.waitpid(pid, 0)
-        current.pop("pid", None)
-        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-        _send(sock, ("exit", code))
+        found.append(status)
+    return found
 
 
-def _watch_lifeline(fd: int, current: dict[str, int]) -> None:
-    """Block until the client's end of the lifeline closes (nothing is ever written to
-    it), then kill the run in progress and exit."""
-    while os.read(fd, 1):
-        pass
-    pid = current.get("pid")
-    if pid is not None:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    os._exit(0)
+def stop_all(directory: Path | None = None, timeout: float = 10.0) -> list[dict]:
+    """Stop every server in ``directory``: its runs are killed, it exits, its socket is
+    removed; returns the statuses of those stopped."""
+    stopped = []
+    for status in statuses(directory):
+        server = _by_socket(Path(status["socket"]).parent, Path(status["socket"]))
+        server.ask(("stop",))
+        deadline = time.monotonic() + timeout
+        while _alive(status["pid"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _alive(status["pid"]):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(status["pid"], 9)
+        stopped.append(status)
+    return stopped
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie (not reaped by its parent) counts as gone
+    with contextlib.suppress(OSError):
+        if Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].startswith("Z"):
+            return False
+    return True

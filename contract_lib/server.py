@@ -1,0 +1,309 @@
+"""Warm server, server side: SGLang imported once, one forked child per run.
+
+Started by :meth:`contract_lib.pool.Server.start` (protocol and naming there). The
+process forks itself away from its starter (so it outlives the command that started
+it, in its own session: a terminal's Ctrl-C never reaches it), imports SGLang, listens
+on its socket (only the user can enter its directory; the socket itself is 0600), tells
+the starter it is ready, and serves any number of clients at once from one thread (a
+selector over the listening socket, the clients' connections and a signal wake-up pipe),
+so every fork happens from that one thread.
+
+Lifetime: it exits after ``idle_s`` seconds without a request or a running run, on
+``stop`` or SIGTERM (killing its runs), or, on ``retire`` (its files went stale), once
+its runs end; it removes its own socket file when it goes.
+
+A run child dies with the process that asked for it (the server kills it when that
+connection closes, however the requester ended) and with the server
+(:func:`contract_lib.child.die_with_parent`: ``PR_SET_PDEATHSIG``, which follows the
+forking thread, here the server's only one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import selectors
+import signal
+import socket
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from contract_lib.pool import recv, send
+
+
+def preload() -> None:
+    """Import what every run imports (with the import-time shims), nothing run-specific:
+    per-loop shims and patches are applied in each forked child, never in the server."""
+    from contract_lib import shims
+
+    shims.install_import_shims()
+    import sglang.srt.hardware_backend.mlx.model_runner  # noqa: F401
+    import sglang.srt.hardware_backend.mlx.model_runner_stub  # noqa: F401
+    import sglang.srt.hardware_backend.mlx.runtime  # noqa: F401
+    import sglang.srt.hardware_backend.mlx.scheduler_mixin  # noqa: F401
+    import sglang.srt.hardware_backend.mlx.tp_worker  # noqa: F401
+    import sglang.srt.managers.scheduler  # noqa: F401
+    import sglang.srt.server_args  # noqa: F401
+    import mlx_lm.models.llama  # noqa: F401  (the tiny model of the real MLX runner)
+
+    import contract_lib.capture  # noqa: F401
+    import contract_lib.child  # noqa: F401
+
+
+def main() -> None:
+    """``argv``: socket path, fingerprint, idle seconds, ready fd, sglang_dir ('' none)."""
+    socket_path, fingerprint, idle_s, ready_fd, sglang_dir = sys.argv[1:6]
+    if os.fork():
+        os._exit(0)  # the starter reaps this; the server is nobody's child
+    preload()
+    WarmServer(Path(socket_path), fingerprint, float(idle_s), sglang_dir or None).serve(
+        int(ready_fd))
+
+
+class WarmServer:
+    def __init__(self, socket_path: Path, fingerprint: str, idle_s: float,
+                 sglang_dir: str | None) -> None:
+        from importlib import metadata
+
+        self.socket_path = socket_path
+        self.fingerprint = fingerprint
+        self.idle_s = idle_s
+        self.sglang_dir = sglang_dir
+        self.sglang_version = metadata.version("sglang")
+        self.started = time.time()
+        self.last_active = time.monotonic()
+        self.runs_served = 0
+        self.runs: dict[int, socket.socket] = {}  # run pid -> its requester's connection
+        self.arg_kinds: dict | None = None
+        self.retiring = False
+        self.selector = selectors.DefaultSelector()
+        self.listener: socket.socket | None = None
+        self.socket_inode: int | None = None
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def _listen(self) -> None:
+        """Bind a temporary name, then rename it into place: a client never connects to
+        a server that is not ready."""
+        temporary = self.socket_path.with_name(f".{self.socket_path.name}.{os.getpid()}")
+        temporary.unlink(missing_ok=True)
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(str(temporary))
+        os.chmod(temporary, 0o600)
+        self.listener.listen(64)
+        os.rename(temporary, self.socket_path)
+        self.socket_inode = os.stat(self.socket_path).st_ino
+        self.selector.register(self.listener, selectors.EVENT_READ, "accept")
+
+    def _signals(self) -> None:
+        wake_read, wake_write = os.pipe()
+        os.set_blocking(wake_read, False)
+        os.set_blocking(wake_write, False)
+        signal.set_wakeup_fd(wake_write)
+        for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, lambda *_: None)  # handled in the loop, via the pipe
+        self.wake = (wake_read, wake_write)
+        self.selector.register(wake_read, selectors.EVENT_READ, "signal")
+
+    def serve(self, ready_fd: int) -> None:
+        self._listen()
+        self._signals()
+        os.write(ready_fd, f"ready {os.getpid()}\n".encode())
+        os.close(ready_fd)
+        with contextlib.suppress(OSError):  # nothing is printed after start-up
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+        while True:
+            if not self.runs:
+                if self.retiring:
+                    self._exit()
+                idle_left = self.idle_s - (time.monotonic() - self.last_active)
+                if idle_left <= 0:
+                    self._exit()
+            timeout = None if self.runs else max(idle_left, 0.0)
+            for key, _ in self.selector.select(timeout):
+                if key.data == "accept":
+                    self._accept()
+                elif key.data == "signal":
+                    self._on_signals()
+                else:
+                    self._on_message(key.fileobj)
+
+    # -- events ---------------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        conn.settimeout(10.0)  # a client sends each message whole
+        self.selector.register(conn, selectors.EVENT_READ, "client")
+
+    def _on_signals(self) -> None:
+        try:
+            received = os.read(self.wake[0], 512)
+        except BlockingIOError:
+            received = b""
+        if any(signum != signal.SIGCHLD for signum in received):
+            self._exit()
+        self._reap()
+
+    def _reap(self) -> None:
+        while self.runs:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.runs.pop(pid, None)
+            self.last_active = time.monotonic()
+            if conn is None:
+                continue
+            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            with contextlib.suppress(OSError):
+                send(conn, ("exit", code))
+            self._close(conn)
+
+    def _close(self, conn: socket.socket) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(conn)
+        conn.close()
+
+    def _on_message(self, conn: socket.socket) -> None:
+        self.last_active = time.monotonic()
+        try:
+            request, fds = recv(conn, with_fds=2)
+        except (EOFError, OSError):
+            self._on_hang_up(conn)
+            return
+        try:
+            self._handle(conn, request, fds)
+        except OSError:  # the client went away while we answered
+            self._on_hang_up(conn)
+        finally:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def _on_hang_up(self, conn: socket.socket) -> None:
+        """The requester closed its connection (it finished, was interrupted, or died):
+        its run, if still going, is killed; the exit code goes back on that
+        connection (a half-closed one still reads it)."""
+        pid = next((pid for pid, c in self.runs.items() if c is conn), None)
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(conn)
+        if pid is None:
+            conn.close()
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+    def _handle(self, conn: socket.socket, request: tuple, fds: list[int]) -> None:
+        kind = request[0]
+        if kind == "status":
+            send(conn, self.status())
+        elif kind == "stop":
+            send(conn, ("stopped",))
+            self._exit()
+        elif kind == "retire":
+            self._retire()
+            send(conn, ("retired",))
+        elif request[-1] != self.fingerprint or self.retiring:
+            send(conn, ("stale", self.fingerprint))
+        elif kind == "server-arg-types":
+            send(conn, ("server-arg-types", self._arg_kinds()))
+        elif kind == "run":
+            _, spec, context, _fingerprint = request
+            pid = self._fork(spec, context, fds)
+            self.runs[pid] = conn
+            self.runs_served += 1
+            send(conn, ("pid", pid))
+        else:
+            send(conn, ("error", f"unknown request {kind!r}"))
+
+    def _arg_kinds(self) -> dict:
+        if self.arg_kinds is None:
+            from sglang.srt.server_args import ServerArgs
+
+            from contract_lib.serverargs import accepted_kinds
+
+            self.arg_kinds = accepted_kinds(ServerArgs)
+        return self.arg_kinds
+
+    def _fork(self, spec: dict, context: dict, fds: list[int]) -> int:
+        write_fd, log_fd = fds
+        server_pid = os.getpid()
+        pid = os.fork()
+        if pid:
+            return pid
+        try:
+            from contract_lib.child import child_run, die_with_parent
+
+            die_with_parent(server_pid)
+            self._forget_in_child()
+            os.dup2(log_fd, 1)
+            os.dup2(log_fd, 2)
+            os.chdir(context["cwd"])
+            os.environ.clear()
+            os.environ.update(context["env"])
+            sys.path[:] = context["path"]
+            importlib.invalidate_caches()  # files made since the server's imports
+            child_run(spec, Connection(write_fd, readable=False))
+        finally:
+            os._exit(0)
+
+    def _forget_in_child(self) -> None:
+        """(In a run child.) Drop the server's sockets, pipes and signal handlers."""
+        signal.set_wakeup_fd(-1)
+        for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for key in list(self.selector.get_map().values()):
+            with contextlib.suppress(OSError):
+                os.close(key.fd)
+        for fd in self.wake:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    # -- status and exit ------------------------------------------------------------------
+
+    def status(self) -> dict:
+        idle_left = (self.idle_s if self.runs
+                     else self.idle_s - (time.monotonic() - self.last_active))
+        return {"pid": os.getpid(), "socket": str(self.socket_path),
+                "sglang_dir": self.sglang_dir, "sglang_version": self.sglang_version,
+                "fingerprint": self.fingerprint, "started": self.started,
+                "uptime_s": time.time() - self.started, "idle_left_s": max(idle_left, 0.0),
+                "idle_s": self.idle_s, "runs_served": self.runs_served,
+                "running": sorted(self.runs), "retiring": self.retiring}
+
+    def _retire(self) -> None:
+        self.retiring = True
+        self._unlink_socket()
+        if self.listener is not None:
+            self.selector.unregister(self.listener)
+            self.listener.close()
+            self.listener = None
+
+    def _unlink_socket(self) -> None:
+        """Remove the socket file if it is still this server's (not a successor's)."""
+        with contextlib.suppress(OSError):
+            if os.stat(self.socket_path).st_ino == self.socket_inode:
+                self.socket_path.unlink()
+
+    def _exit(self) -> None:
+        """Kill the runs, remove the socket, exit (their requesters see the connection
+        close: the run is reported as lost with the server)."""
+        self._unlink_socket()
+        for pid in list(self.runs):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in list(self.runs):
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        os._exit(0)
