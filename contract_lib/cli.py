@@ -309,6 +309,37 @@ def cmd_cache(args) -> int:
     return 0
 
 
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+
+
+def cmd_server(args) -> int:
+    """``server status``: one line per warm server; ``server stop``: stop them all."""
+    from contract_lib import pool
+
+    directory = pool.server_dir()
+    if args.action == "stop":
+        stopped = pool.stop_all(directory)
+        print(f"stopped {len(stopped)} warm server(s) in {directory}"
+              + "".join(f"\n  pid {s['pid']}: {s['runs_served']} runs served" for s in stopped))
+        return 0
+    found = pool.statuses(directory)
+    if not found:
+        print(f"no warm server running in {directory}")
+    for status in found:
+        current = pool.Server(directory, status["sglang_dir"]).fingerprint()
+        state = ("retiring" if status["retiring"] else
+                 "stale (SGLang's files or the library changed; replaced on the next run)"
+                 if status["fingerprint"] != current else "current")
+        idle = ("busy, " + f"{len(status['running'])} running" if status["running"] else
+                f"exits in {_duration(status['idle_left_s'])} if idle")
+        print(f"pid {status['pid']}: sglang {status['sglang_version']} from "
+              f"{status['sglang_dir'] or 'the venv'}, up {_duration(status['uptime_s'])}, "
+              f"{idle}, {status['runs_served']} runs served, {state}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m contract_lib",
@@ -387,6 +418,11 @@ def build_parser() -> argparse.ArgumentParser:
     cache_parser = commands.add_parser("cache", help="manage the frame cache")
     cache_parser.add_argument("action", choices=["clear", "path"])
     cache_parser.set_defaults(handler=cmd_cache)
+    server_parser = commands.add_parser(
+        "server", help="the warm servers (one per SGLang release, started on first use, "
+        "exit when idle): status, or stop them all")
+    server_parser.add_argument("action", choices=["status", "stop"])
+    server_parser.set_defaults(handler=cmd_server)
     return parser
 
 

@@ -92,14 +92,14 @@ def test_a_fork_server_dying_mid_run_is_reported_with_frames():
     import threading
     import time
 
-    from contract_lib.pool import POOL
+    from contract_lib import pool
 
     contract_lib.run("single-decode", "normal", cache=False)  # a warm, idle server
-    server = POOL.idle[None][-1]
+    (server,) = pool.statuses()
 
     def kill_server():
         time.sleep(3)
-        os.kill(server.process.pid, signal.SIGKILL)
+        os.kill(server["pid"], signal.SIGKILL)
 
     threading.Thread(target=kill_server, daemon=True).start()
     frames = contract_lib.run("two-turn", "normal", patch="user_patches:hang_in_loop",

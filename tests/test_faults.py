@@ -25,6 +25,7 @@ import psutil
 import pytest
 
 import contract_lib
+from contract_lib import pool
 from contract_lib.harness import run_many
 from contract_lib.workloads import Workload
 
@@ -54,7 +55,7 @@ def _wait_until(predicate, timeout: float, interval: float = 0.2):
 
 
 def _run_children(root: int) -> list[psutil.Process]:
-    """The run processes under ``root``: cold children and children of fork servers."""
+    """The run processes of ``root``: its cold children and the warm servers' runs."""
     found = []
     try:
         descendants = psutil.Process(root).children(recursive=True)
@@ -62,11 +63,17 @@ def _run_children(root: int) -> list[psutil.Process]:
         return []
     for process in descendants:
         try:
-            if "_child_entry" in " ".join(process.cmdline()) or (
-                    "pool import serve" in " ".join(process.parent().cmdline())):
+            if "_child_entry" in " ".join(process.cmdline()):
                 found.append(process)
         except (psutil.NoSuchProcess, AttributeError):
             continue
+    # warm runs: children of the session's warm servers (not descendants of the parent)
+    for status in pool.statuses():
+        for pid in status["running"]:
+            try:
+                found.append(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                continue
     return found
 
 
@@ -170,6 +177,7 @@ def test_ctrl_c_during_status_cancels_queued_runs_and_exits_130(cli):
     workers = os.cpu_count() or 1
     _wait_for_hung_runs(process.pid)  # others may still be starting: they are stopped too
     cli.seen.update(_all_descendants(process.pid))
+    cli.seen.update(p.pid for p in _run_children(process.pid))  # warm runs: the server's
     started = time.monotonic()
     os.kill(process.pid, signal.SIGINT)
     late_runs: set[int] = set()
@@ -242,9 +250,8 @@ def test_killing_the_parent_of_a_hung_run_leaves_nothing_behind(cli, mode):
     process = cli("run", "--loop", "normal", "--workload", "two-turn", "--patch", HANG,
                   *(["--cold"] if mode == "cold" else []))
     runs = _wait_for_hung_runs(process.pid)
-    started = _all_descendants(process.pid)
+    started = _all_descendants(process.pid) + runs  # warm: the run is the server's child
     cli.seen.update(started)
-    assert set(runs) <= set(started)
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
     left = _wait_until(lambda: not [p for p in started if _alive(p)], 10)

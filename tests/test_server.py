@@ -1,0 +1,239 @@
+"""The warm server's lifecycle as a user meets it (issue #15): shared by processes and
+threads, idle exit, ``server stop``/``status``, stale-file restart, a killed requester,
+two processes starting it at once, and the cold fallbacks.
+
+Each test uses a server directory of its own (``CONTRACT_LIB_SERVER_DIR``), stopped at
+its end, so no test sees another's server and none is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import contract_lib
+from contract_lib import cache, pool
+from contract_lib.harness import run_many
+
+TESTS_DIR = Path(__file__).resolve().parent
+PROJECT_ROOT = TESTS_DIR.parent
+HANG = "user_patches:hang_in_loop"
+
+
+def _alive(pid: int) -> bool:
+    return pool._alive(pid)
+
+
+def _wait_until(predicate, timeout: float, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(interval)
+    return predicate()
+
+
+@pytest.fixture()
+def servers(tmp_path, monkeypatch):
+    """A server directory of the test's own; every server in it is stopped at the end."""
+    directory = tmp_path / "servers"
+    monkeypatch.setenv(pool.SERVER_DIR_ENV, str(directory))
+    monkeypatch.delenv(pool.SERVER_SWITCH_ENV, raising=False)
+    yield directory
+    pool.stop_all(directory)
+
+
+def _env(directory: Path, **extra: str) -> dict[str, str]:
+    return {**os.environ, pool.SERVER_DIR_ENV: str(directory), "CONTRACT_LIB_NO_CACHE": "1",
+            "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), str(PROJECT_ROOT)]), **extra}
+
+
+def _api_run(directory: Path, code: str, **extra: str) -> subprocess.Popen:
+    """A separate Python process calling the API (as a notebook kernel would)."""
+    return subprocess.Popen([sys.executable, "-c", f"import contract_lib\n{code}"],
+                            cwd=PROJECT_ROOT, env=_env(directory, **extra),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _hung_run(directory: Path) -> int:
+    """The pid of the run the directory's one server is running, once it hangs."""
+    def running():
+        found = pool.statuses(directory)
+        return found and found[0]["running"] and found[0]["running"][0]
+
+    pid = _wait_until(running, 180, 0.5)
+    assert pid, "the hanging run never started"
+    time.sleep(2)  # well inside its injected sleep
+    return pid
+
+
+# -- shared by processes and threads -------------------------------------------------------
+
+
+def test_later_processes_and_the_cli_fork_from_the_same_server(servers):
+    first = contract_lib.run("single-decode", "normal", cache=False)
+    (status,) = pool.statuses(servers)
+    assert first.status == "finished" and status["runs_served"] == 1
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "contract_lib", "check", "--loop", "normal",
+                           "--workload", "single-decode", "--no-cache", "--clauses", "rfc"],
+                          cwd=PROJECT_ROOT, env=_env(servers), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - started < 15  # no SGLang import in the command
+    (after,) = pool.statuses(servers)
+    assert after["pid"] == status["pid"] and after["runs_served"] == 2
+    shown = subprocess.run([sys.executable, "-m", "contract_lib", "server", "status"],
+                           cwd=PROJECT_ROOT, env=_env(servers), capture_output=True, text=True)
+    assert f"pid {status['pid']}: sglang" in shown.stdout and "2 runs served" in shown.stdout
+    assert "current" in shown.stdout and "exits in" in shown.stdout
+
+
+def test_concurrent_threads_share_one_server(servers):
+    results = run_many([{"workload": "two-turn", "loop": loop, "cache": False}
+                        for loop in ("normal", "overlap", "mlx") for _ in range(3)],
+                       workers=8, progress=False)
+    assert [r.status for r in results] == ["finished"] * 9
+    (status,) = pool.statuses(servers)
+    assert status["runs_served"] == 9
+    assert len(list(servers.glob("*.sock"))) == 1
+
+
+def test_two_processes_starting_a_server_at_once_share_it(servers):
+    processes = [_api_run(servers, "print(contract_lib.run('single-decode', 'normal', "
+                                   "cache=False).status)") for _ in range(2)]
+    outputs = [p.communicate(timeout=300) for p in processes]
+    assert [out.strip() for out, _ in outputs] == ["finished", "finished"], outputs
+    assert not any("ServerWarning" in err for _, err in outputs), outputs
+    (status,) = pool.statuses(servers)
+    assert status["runs_served"] == 2
+
+
+# -- lifecycle ------------------------------------------------------------------------------
+
+
+def test_an_idle_server_exits_and_removes_its_socket(servers, monkeypatch):
+    monkeypatch.setenv(pool.IDLE_ENV, "3")
+    assert contract_lib.run("single-decode", "normal", cache=False).status == "finished"
+    (status,) = pool.statuses(servers)
+    assert status["idle_s"] == 3
+    assert _wait_until(lambda: not _alive(status["pid"]), 20)
+    assert not list(servers.glob("*.sock"))
+    # the next run starts a new one
+    assert contract_lib.run("single-decode", "normal", cache=False).status == "finished"
+    assert pool.statuses(servers)[0]["pid"] != status["pid"]
+
+
+def test_server_stop_kills_its_runs_and_the_run_keeps_its_frames(servers):
+    result: dict = {}
+
+    def hung():
+        result["frames"] = contract_lib.run("two-turn", "normal", patch=HANG, cache=False,
+                                            hang_timeout=120)
+
+    thread = threading.Thread(target=hung)
+    thread.start()
+    run_pid = _hung_run(servers)
+    (status,) = pool.statuses(servers)
+    stopped = subprocess.run([sys.executable, "-m", "contract_lib", "server", "stop"],
+                             cwd=PROJECT_ROOT, env=_env(servers), capture_output=True,
+                             text=True, timeout=60)
+    assert stopped.returncode == 0 and "stopped 1 warm server" in stopped.stdout
+    thread.join(30)
+    frames = result["frames"]
+    assert frames.status == "died" and frames.error["type"] == "ForkServerDied"
+    assert len(frames.steps) >= 3
+    assert not _alive(status["pid"]) and not _alive(run_pid)
+    assert not list(servers.glob("*.sock"))
+    shown = subprocess.run([sys.executable, "-m", "contract_lib", "server", "status"],
+                           cwd=PROJECT_ROOT, env=_env(servers), capture_output=True, text=True)
+    assert "no warm server running" in shown.stdout
+
+
+def test_a_run_dies_with_the_process_that_asked_for_it(servers):
+    requester = _api_run(servers, f"contract_lib.run('two-turn', 'normal', patch={HANG!r}, "
+                                  "cache=False)")
+    run_pid = _hung_run(servers)
+    (status,) = pool.statuses(servers)
+    os.kill(requester.pid, signal.SIGKILL)
+    requester.communicate()
+    assert _wait_until(lambda: not _alive(run_pid), 5), "the run outlived its requester"
+    (after,) = pool.statuses(servers)  # the server stays, idle, for the next command
+    assert after["pid"] == status["pid"] and after["running"] == []
+
+
+def test_a_server_of_other_library_files_is_replaced(servers, monkeypatch, tmp_path):
+    extra = tmp_path / "edited_module.py"
+    extra.write_text("x = 1\n")
+    monkeypatch.setattr(cache, "LIBRARY_FILES", [*cache.LIBRARY_FILES, extra])
+    monkeypatch.setattr(cache, "PROJECT_ROOT", Path("/"))  # the names the digest holds
+    before = contract_lib.run("single-decode", "normal", cache=False)
+    (old,) = pool.statuses(servers)
+    extra.write_text("x = 2\n")  # a library file edited
+    after = contract_lib.run("single-decode", "normal", cache=False)
+    (new,) = pool.statuses(servers)
+    assert new["pid"] != old["pid"] and new["fingerprint"] != old["fingerprint"]
+    assert _wait_until(lambda: not _alive(old["pid"]), 10), "the stale server stayed"
+    assert before.status == after.status == "finished"
+
+
+# -- cold fallbacks ---------------------------------------------------------------------------
+
+
+def test_servers_switched_off_run_cold(servers, monkeypatch):
+    monkeypatch.setenv(pool.SERVER_SWITCH_ENV, "off")
+    assert contract_lib.run("single-decode", "normal", cache=False).status == "finished"
+    assert not servers.exists() or not list(servers.glob("*.sock"))
+
+
+def test_an_unusable_server_directory_warns_once_and_runs_cold(servers, monkeypatch):
+    servers.parent.mkdir(parents=True, exist_ok=True)
+    servers.write_text("a file where the server directory should be\n")
+    monkeypatch.setattr(pool, "_warned", set())
+    with pytest.warns(pool.ServerWarning, match="cannot be used.*runs start cold"):
+        frames = contract_lib.run("single-decode", "normal", cache=False)
+    assert frames.status == "finished"
+    servers.unlink()
+
+
+@pytest.mark.fast
+def test_the_server_directory_is_private(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    os.chmod(shared, 0o755)
+    assert pool.private_dir(shared) == shared
+    assert shared.stat().st_mode & 0o777 == 0o700
+    fresh = pool.private_dir(tmp_path / "a" / "b")
+    assert fresh.stat().st_mode & 0o777 == 0o700
+    link = tmp_path / "link"
+    link.symlink_to(shared)
+    with pytest.raises(pool.ServerUnavailable, match="not a directory of this user"):
+        pool.private_dir(link)
+
+
+@pytest.mark.fast
+def test_the_server_key_separates_releases_and_sglang_environments(monkeypatch):
+    venv = pool.server_key(None)
+    assert pool.server_key("/x/0.5.21") != venv
+    monkeypatch.setenv("SGLANG_SOME_FLAG", "1")
+    assert pool.server_key(None) != venv
+
+
+def test_a_warm_run_imports_a_patch_from_the_requesters_path(servers, tmp_path, monkeypatch):
+    contract_lib.run("single-decode", "normal", cache=False)  # the server starts first
+    folder = tmp_path / "late"
+    folder.mkdir()
+    (folder / "late_patch.py").write_text(
+        "def apply():\n    raise RuntimeError('the late patch ran')\n")
+    monkeypatch.syspath_prepend(str(folder))  # as a notebook adding a folder later
+    frames = contract_lib.run("single-decode", "normal", patch="late_patch:apply",
+                              cache=False)
+    assert "the late patch ran" in frames.error["message"]
+    assert pool.statuses(servers)[0]["runs_served"] == 2
