@@ -8,16 +8,48 @@ contract at every step boundary: the RFC's five clauses and this project's exten
 (:mod:`contract_lib.contract`), with one verdict per run (:mod:`contract_lib.verdict`).
 """
 
-from contract_lib.frames import Frames, FramesFormatError
-from contract_lib.harness import LOOPS, RUNNERS, RunSetupError, run
-from contract_lib.patches import BUILTIN_PATCHES, PatchError
-from contract_lib.versions import (SUPPORTED_SGLANG_VERSIONS, SGLangInstallError,
-                                   UnsupportedSGLangError)
-from contract_lib.workloads import Workload, WorkloadError, load_workload, workload_names
+from __future__ import annotations
 
-__all__ = [
-    "BUILTIN_PATCHES", "Frames", "FramesFormatError", "LOOPS", "PatchError", "RUNNERS",
-    "RunSetupError", "SGLangInstallError", "SUPPORTED_SGLANG_VERSIONS",
-    "UnsupportedSGLangError", "Workload", "WorkloadError", "load_workload", "run",
-    "workload_names",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Public names and the module each comes from: imported on first access, so ``import
+# contract_lib`` costs milliseconds (no pandas, numpy, matplotlib or SGLang until a name
+# that needs them is used; measured with ``python -X importtime -c 'import contract_lib'``).
+_EXPORTS = {
+    "Frames": "frames", "FramesFormatError": "frames",
+    "LOOPS": "harness", "RUNNERS": "harness", "RunSetupError": "harness", "run": "harness",
+    "BUILTIN_PATCHES": "patches", "PatchError": "patches",
+    "SUPPORTED_SGLANG_VERSIONS": "versions", "SGLangInstallError": "versions",
+    "UnsupportedSGLangError": "versions",
+    "Workload": "workloads", "WorkloadError": "workloads", "load_workload": "workloads",
+    "workload_names": "workloads",
+}
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from contract_lib.frames import Frames, FramesFormatError
+    from contract_lib.harness import LOOPS, RUNNERS, RunSetupError, run
+    from contract_lib.patches import BUILTIN_PATCHES, PatchError
+    from contract_lib.versions import (SUPPORTED_SGLANG_VERSIONS, SGLangInstallError,
+                                       UnsupportedSGLangError)
+    from contract_lib.workloads import Workload, WorkloadError, load_workload, workload_names
+
+
+def __getattr__(name: str) -> Any:
+    """A public name (imported from its module on first use) or a submodule."""
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"contract_lib.{_EXPORTS[name]}"), name)
+    else:
+        try:
+            value = importlib.import_module(f"contract_lib.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"contract_lib.{name}":
+                raise
+            raise AttributeError(f"module 'contract_lib' has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -237,3 +237,18 @@ def test_a_warm_run_imports_a_patch_from_the_requesters_path(servers, tmp_path, 
                               cache=False)
     assert "the late patch ran" in frames.error["message"]
     assert pool.statuses(servers)[0]["runs_served"] == 2
+
+
+# -- import cost ------------------------------------------------------------------------------
+
+
+@pytest.mark.fast
+def test_importing_the_package_loads_no_heavy_library():
+    code = ("import sys, contract_lib\n"
+            "print(sorted(m for m in ('pandas', 'numpy', 'matplotlib', 'torch', 'sglang') "
+            "if m in sys.modules))\n"
+            "contract_lib.Frames\n"
+            "print('pandas' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True,
+                          text=True, check=True)
+    assert done.stdout.split("\n")[:2] == ["[]", "True"], done.stdout
