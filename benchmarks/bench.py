@@ -1,11 +1,15 @@
 """Benchmark: what a run costs, cold, warm and cached; capture overhead; checker speed;
 notebook and test-suite times. Prints medians; ``--write`` also writes RESULTS.md.
 
-    .venv/bin/python benchmarks/bench.py [--repeat 5] [--quick] [--write]
+    .venv/bin/python benchmarks/bench.py [--repeat 5] [--quick] [--only SECTION] [--write]
 
 Targets (issue "make a run cost its loop"): warm run <= 1.5 s for two-turn on any loop,
 cached run <= 50 ms, capture overhead <= 1.3x, checker >= 1e6 frame rows/s, the notebook
 suite <= 90 s under pytest --nbval, the README test command <= 5 min after set-up.
+Issue #15 (one warm server per release): `check` after editing a user patch <= 1.5 s on
+the command line and <= 3x a cached `check`, the notebook suite from an empty frame cache
+<= 90 s, one server for 8 concurrent API runs. The runs use warm servers of their own
+(a temporary server directory), stopped at the end.
 Nothing here is asserted: these are measurements, not tests.
 """
 
@@ -18,13 +22,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import pandas as pd
 
 import contract_lib
-from contract_lib import cache
+from contract_lib import cache, pool
 from contract_lib.contract import check
 from contract_lib.frames import Frames
 
@@ -76,6 +81,112 @@ def capture_overhead(repeat: int) -> list[dict]:
                                 f"({with_ * 1e3:.1f} ms vs {without * 1e3:.1f} ms loop)",
                      "value": with_ / without, "unit": "x"})
     return rows
+
+
+# A user patch a triager edits between checks: each edit changes its source, so the next
+# check misses the frame cache and runs (the issue's "edit -> verdict" loop).
+EDITED_PATCH = """def apply():
+    from sglang.srt.managers.scheduler import Scheduler
+    Scheduler.bench_edit = {edit}  # the triager's change of the moment
+"""
+
+
+def _cli_seconds(args: list[str], env: dict[str, str]) -> float:
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "contract_lib", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    if done.returncode not in (0, 1):
+        raise RuntimeError(f"{' '.join(args)} exited {done.returncode}: {done.stderr}")
+    return seconds
+
+
+def edit_check(repeat: int) -> list[dict]:
+    """``check`` on the command line after editing a user patch (a cache miss), with the
+    warm server (one per release, shared by commands) and with servers switched off
+    (every command imports SGLang, as before the server), beside a cached ``check``."""
+    rows = []
+    with tempfile.TemporaryDirectory() as directory:
+        folder = Path(directory)
+        (folder / "frames").mkdir()
+        patch = folder / "bench_edit_patch.py"
+        env = {**os.environ, "CONTRACT_LIB_CACHE_DIR": str(folder / "frames"),
+               pool.SERVER_DIR_ENV: str(folder / "servers"),
+               "PYTHONPATH": os.pathsep.join([str(folder), str(ROOT)])}
+        env.pop("CONTRACT_LIB_NO_CACHE", None)
+        args = ["check", "--loop", "mlx", "--workload", "two-turn", "--patch",
+                "bench_edit_patch:apply", "--out", str(folder / "frames.json")]
+        edits = iter(range(10 ** 6))
+
+        def edited(extra_env=None):
+            patch.write_text(EDITED_PATCH.format(edit=next(edits)))
+            return _cli_seconds(args, {**env, **(extra_env or {})})
+
+        try:
+            edited()  # starts the server
+            warm = [edited() for _ in range(repeat)]
+            cached = [_cli_seconds(args, env) for _ in range(repeat)]
+            cold = [edited({pool.SERVER_SWITCH_ENV: "off"}) for _ in range(max(2, repeat // 2))]
+        finally:
+            pool.stop_all(folder / "servers")
+    warm_s, cached_s, cold_s = map(statistics.median, (warm, cached, cold))
+    rows.append({"measure": "`check` after editing a user patch, command line, warm server",
+                 "value": warm_s, "unit": "s"})
+    rows.append({"measure": "`check`, cached (same command, patch unchanged)",
+                 "value": cached_s, "unit": "s"})
+    rows.append({"measure": "edited `check` / cached `check`", "value": warm_s / cached_s,
+                 "unit": "x"})
+    rows.append({"measure": "`check` after editing a user patch, CONTRACT_LIB_SERVER=off "
+                            "(imports SGLang, as before the server)",
+                 "value": cold_s, "unit": "s"})
+    return rows
+
+
+def concurrent_memory(runs: int = 8) -> list[dict]:
+    """``runs`` concurrent API runs (``run_many`` with as many threads): how many warm
+    servers serve them, and the peak proportional memory (PSS) of servers and runs."""
+    import psutil
+
+    from contract_lib.harness import run_many
+
+    with tempfile.TemporaryDirectory() as directory:
+        saved = os.environ.get(pool.SERVER_DIR_ENV)
+        os.environ[pool.SERVER_DIR_ENV] = directory
+        peak = {"pss": 0}
+        done = threading.Event()
+
+        def sample():
+            while not done.wait(0.05):
+                total = 0
+                for status in pool.statuses(Path(directory)):
+                    try:
+                        server = psutil.Process(status["pid"])
+                        for process in [server, *server.children()]:
+                            total += process.memory_full_info().pss
+                    except psutil.Error:
+                        continue
+                peak["pss"] = max(peak["pss"], total)
+
+        try:
+            contract_lib.run("two-turn", "mlx", cache=False)  # the server, started
+            sampler = threading.Thread(target=sample)
+            sampler.start()
+            results = run_many([{"workload": "two-turn", "loop": "mlx", "cache": False}] * runs,
+                               workers=runs, progress=False)
+            done.set()
+            sampler.join()
+            servers = pool.statuses(Path(directory))
+        finally:
+            pool.stop_all(Path(directory))
+            if saved is None:
+                del os.environ[pool.SERVER_DIR_ENV]
+            else:
+                os.environ[pool.SERVER_DIR_ENV] = saved
+    assert all(r.status == "finished" for r in results), results
+    return [{"measure": f"warm servers serving {runs} concurrent API runs", "unit": "servers",
+             "value": len(servers)},
+            {"measure": f"peak PSS of the server and its {runs} concurrent runs", "unit": "GB",
+             "value": peak["pss"] / 1e9}]
 
 
 def synthetic_frames(base: Frames, copies: int) -> Frames:
@@ -170,12 +281,22 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--quick", action="store_true",
                         help="skip the notebook and test-suite timings")
+    parser.add_argument("--only", action="append", choices=list(SECTIONS),
+                        help="measure only these sections (repeatable)")
     parser.add_argument("--write", action="store_true", help="write benchmarks/RESULTS.md")
     args = parser.parse_args()
-    rows = run_costs(args.repeat) + capture_overhead(args.repeat) + checker_throughput(
-        args.repeat)
-    if not args.quick:
-        rows += notebook_times() + test_command_time()
+    chosen = args.only or [name for name in SECTIONS
+                           if not (args.quick and name in ("notebooks", "tests"))]
+    rows = []
+    with tempfile.TemporaryDirectory() as directory:  # this run's warm servers, stopped
+        os.environ[pool.SERVER_DIR_ENV] = directory
+        try:
+            for name in chosen:
+                section = SECTIONS[name]
+                rows += section(args.repeat) if name not in ("notebooks", "tests") \
+                    else section()
+        finally:
+            pool.stop_all(Path(directory))
     table = render(rows)
     print(machine())
     print(table)
@@ -184,6 +305,11 @@ def main() -> None:
             "# Benchmark results\n\nMeasured by `benchmarks/bench.py "
             f"--repeat {args.repeat}` on {machine()}, {time.strftime('%Y-%m-%d')}.\n\n"
             + table + "\n")
+
+
+SECTIONS = {"runs": run_costs, "edit": edit_check, "capture": capture_overhead,
+            "checker": checker_throughput, "memory": lambda repeat: concurrent_memory(),
+            "notebooks": notebook_times, "tests": test_command_time}
 
 
 if __name__ == "__main__":
