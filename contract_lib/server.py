@@ -21,7 +21,6 @@ forking thread, here the server's only one).
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import selectors
 import signal
@@ -46,6 +45,9 @@ def preload() -> None:
     import sglang.srt.hardware_backend.mlx.scheduler_mixin  # noqa: F401
     import sglang.srt.hardware_backend.mlx.tp_worker  # noqa: F401
     import sglang.srt.managers.scheduler  # noqa: F401
+    # Every model class (the Scheduler build looks its architecture up here): ~1 s of a
+    # warm build otherwise, paid once here instead of in every forked run.
+    import sglang.srt.models.registry  # noqa: F401
     import sglang.srt.server_args  # noqa: F401
     import mlx_lm.models.llama  # noqa: F401  (the tiny model of the real MLX runner)
 
@@ -252,7 +254,6 @@ class WarmServer:
             os.environ.clear()
             os.environ.update(context["env"])
             sys.path[:] = context["path"]
-            importlib.invalidate_caches()  # files made since the server's imports
             child_run(spec, Connection(write_fd, readable=False))
         finally:
             os._exit(0)
