@@ -76,13 +76,15 @@ def child_run(spec: dict[str, Any], conn: Connection) -> None:
     try:
         scheduler, recorder, kv_recorder = _build(spec, loop_spec, emit, timing)
         phase = "loop"
-        loop_started = time.perf_counter()
+        loop_started, loop_cpu = time.perf_counter(), time.process_time()
         try:
             # OmniScheduler's entry; ``run_event_loop`` would be SGLang's, bound to it.
             (scheduler.start if loop_spec.family == loops.OMNI
              else scheduler.run_event_loop)()
         finally:
             timing["loop_s"] = time.perf_counter() - loop_started
+            # the CPU the run's process spent in the loop: its cost, whatever else runs
+            timing["loop_cpu_s"] = time.process_time() - loop_cpu
         status, error = "crashed", error_record("loop returned without finishing the workload")
     except BaseException as exc:  # noqa: BLE001 - every fault is reported, not raised
         from contract_lib.capture import StepBudgetExceeded, StopRun

@@ -123,7 +123,7 @@ class RunMeta(RequiredMeta, total=False):
     loop_function: str  # the SGLang event-loop function the run entered
     enable_overlap: bool  # the scheduler's flags after construction
     enable_overlap_mlx: bool
-    timing: dict[str, float]  # the child's wall times (s): import, build, loop, total
+    timing: dict[str, float]  # the child's wall times (s): import, build, loop, total; loop CPU
     user_modules: dict[str, str | None]  # user modules the run loaded -> sha256
     omni_version: str  # loop omni: the sglang-omni release
     kv_pool: dict[str, Any]  # real MLX runner: the pool's verdict inputs

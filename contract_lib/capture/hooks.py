@@ -3,9 +3,20 @@ original (the list is in :mod:`contract_lib.capture`)."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from contract_lib.capture.backend_state import BackendStateRecorder
+
+
+@functools.lru_cache(maxsize=4)
+def _entry_numbers(shape: tuple[int, ...]):
+    """A tensor of ``shape`` holding 0, 1, 2, ...: indexed like ``req_to_token``, it gives
+    the flat numbers of the entries an index selects, whatever form the index takes."""
+    import torch
+
+    return torch.arange(int(np.prod(shape))).view(shape)
 
 
 class HookInstaller:
@@ -127,11 +138,10 @@ class HookInstaller:
     def on_row_write(self, indices) -> None:
         """Attribute the entries ``req_to_token[indices]`` just written to the request
         holding each row (by index, whatever form ``indices`` takes)."""
-        import torch
-
-        marker = torch.zeros(self.written_by.shape, dtype=torch.bool)
-        marker[indices] = True
-        rows, positions = (t.numpy() for t in marker.nonzero(as_tuple=True))
+        # The flat numbers of the entries written: costs the write's size, not the table's.
+        numbers = _entry_numbers(self.written_by.shape)[indices]
+        written = np.unique(numbers.reshape(-1).numpy())
+        rows, positions = np.divmod(written, self.written_by.shape[1])
         holders = {row: self._row_holder(int(row)) for row in set(rows.tolist())}
         self.written_by[rows, positions] = [holders[row] for row in rows.tolist()]
 
