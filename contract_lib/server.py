@@ -274,6 +274,7 @@ class WarmServer:
     # -- status and exit ------------------------------------------------------------------
 
     def status(self) -> dict:
+        self._reap()  # a run that just ended is not reported running
         idle_left = (self.idle_s if self.runs
                      else self.idle_s - (time.monotonic() - self.last_active))
         return {"pid": os.getpid(), "socket": str(self.socket_path),

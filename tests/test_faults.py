@@ -371,11 +371,11 @@ def test_bad_workload_files_are_one_line_usage_errors(tmp_path):
 
 
 def test_a_wrong_typed_server_arg_names_the_argument_and_the_type(monkeypatch):
-    from contract_lib.pool import ForkServer
+    from contract_lib.pool import Server
 
     started = []
-    original = ForkServer.start_run
-    monkeypatch.setattr(ForkServer, "start_run",
+    original = Server.start_run
+    monkeypatch.setattr(Server, "start_run",
                         lambda self, *a, **k: started.append(a) or original(self, *a, **k))
     with pytest.raises(contract_lib.RunSetupError,
                        match=r"server arg max_running_requests.*int.*'eight' \(str\)"):

@@ -164,9 +164,10 @@ def test_a_run_dies_with_the_process_that_asked_for_it(servers):
     (status,) = pool.statuses(servers)
     os.kill(requester.pid, signal.SIGKILL)
     requester.communicate()
-    assert _wait_until(lambda: not _alive(run_pid), 5), "the run outlived its requester"
+    assert _wait_until(lambda: not _alive(run_pid) and not pool.statuses(servers)[0]["running"],
+                       5), "the run outlived its requester"
     (after,) = pool.statuses(servers)  # the server stays, idle, for the next command
-    assert after["pid"] == status["pid"] and after["running"] == []
+    assert after["pid"] == status["pid"] and after["runs_served"] == 1
 
 
 def test_a_server_of_other_library_files_is_replaced(servers, monkeypatch, tmp_path):
