@@ -69,17 +69,23 @@ def run_costs(repeat: int) -> list[dict]:
 
 
 def capture_overhead(repeat: int) -> list[dict]:
+    """The loop's wall time (and its process's CPU time, which other load on the machine
+    does not inflate) with the recorder on against off, runs interleaved."""
     rows = []
     for loop in contract_lib.LOOPS:
-        loops = {True: [], False: []}
+        wall = {True: [], False: []}
+        cpu = {True: [], False: []}
         for _ in range(repeat):
             for capture in (True, False):
-                frames = contract_lib.run("two-turn", loop, cache=False, capture=capture)
-                loops[capture].append(frames.meta["timing"]["loop_s"])
-        with_, without = statistics.median(loops[True]), statistics.median(loops[False])
-        rows.append({"measure": f"capture overhead, two-turn/{loop} "
-                                f"({with_ * 1e3:.1f} ms vs {without * 1e3:.1f} ms loop)",
-                     "value": with_ / without, "unit": "x"})
+                timing = contract_lib.run("two-turn", loop, cache=False,
+                                          capture=capture).meta["timing"]
+                wall[capture].append(timing["loop_s"])
+                cpu[capture].append(timing["loop_cpu_s"])
+        for name, times in (("wall", wall), ("CPU", cpu)):
+            with_, without = statistics.median(times[True]), statistics.median(times[False])
+            rows.append({"measure": f"capture overhead ({name}), two-turn/{loop} "
+                                    f"({with_ * 1e3:.1f} ms vs {without * 1e3:.1f} ms loop)",
+                         "value": with_ / without, "unit": "x"})
     return rows
 
 
@@ -228,33 +234,44 @@ def checker_throughput(repeat: int) -> list[dict]:
              "value": total / seconds, "unit": "rows/s"}]
 
 
-def _pytest_seconds(target: str | None, env: dict[str, str] | None = None) -> float:
-    """Wall time of ``pytest -q [target]`` in the project (None: the whole suite)."""
+def _pytest_seconds(targets: list[str], env: dict[str, str] | None = None) -> float:
+    """Wall time of ``pytest -q [targets]`` in the project (none: the whole suite)."""
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "pytest", "-q", *([target] if target else [])],
-                   cwd=ROOT, env=env, check=False, capture_output=True)
-    return time.perf_counter() - started
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", *targets], cwd=ROOT, env=env,
+                          check=False, capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    print(f"pytest {' '.join(targets) or '(all)'}: {done.stdout.strip().splitlines()[-1:]} "
+          f"in {seconds:.0f} s", file=sys.stderr)
+    return seconds
 
 
-def notebook_times() -> list[dict]:
+def notebook_times(names: list[str] | None = None) -> list[dict]:
     """Each notebook and the whole suite under nbval, with the frame cache as it is
-    (warm after the runs above), then the whole suite once more with an empty cache."""
+    (warm after the runs above), then the whole suite once more with an empty cache.
+    ``names``: only these notebooks, and the suite of them from an empty cache."""
+    notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
+    if names:
+        notebooks = [n for n in notebooks if n.stem in names or n.name in names]
+        with tempfile.TemporaryDirectory() as directory:
+            env = {**os.environ, "CONTRACT_LIB_CACHE_DIR": directory}
+            seconds = _pytest_seconds([str(n) for n in notebooks], env)
+        return [{"measure": f"pytest --nbval {' '.join(n.stem for n in notebooks)} "
+                            "(frame cache empty)", "unit": "s", "value": seconds}]
     rows = [{"measure": f"pytest --nbval {notebook.name} (frame cache warm)", "unit": "s",
-             "value": _pytest_seconds(str(notebook))}
-            for notebook in sorted((ROOT / "notebooks").glob("*.ipynb"))]
+             "value": _pytest_seconds([str(notebook)])} for notebook in notebooks]
     rows.append({"measure": "pytest --nbval notebooks/ (frame cache warm)", "unit": "s",
-                 "value": _pytest_seconds("notebooks")})
+                 "value": _pytest_seconds(["notebooks"])})
     with tempfile.TemporaryDirectory() as directory:
         env = {**os.environ, "CONTRACT_LIB_CACHE_DIR": directory}
         rows.append({"measure": "pytest --nbval notebooks/ (frame cache empty)", "unit": "s",
-                     "value": _pytest_seconds("notebooks", env)})
+                     "value": _pytest_seconds(["notebooks"], env)})
     return rows
 
 
 def test_command_time() -> list[dict]:
     with tempfile.TemporaryDirectory() as directory:
         env = {**os.environ, "CONTRACT_LIB_CACHE_DIR": directory}
-        seconds = _pytest_seconds(None, env)
+        seconds = _pytest_seconds([], env)
     return [{"measure": "README test command after set-up (pytest, frame cache empty)",
              "unit": "s", "value": seconds}]
 
@@ -283,6 +300,8 @@ def main() -> None:
                         help="skip the notebook and test-suite timings")
     parser.add_argument("--only", action="append", choices=list(SECTIONS),
                         help="measure only these sections (repeatable)")
+    parser.add_argument("--notebook", action="append", metavar="NAME",
+                        help="time only these notebooks, from an empty frame cache")
     parser.add_argument("--write", action="store_true", help="write benchmarks/RESULTS.md")
     args = parser.parse_args()
     chosen = args.only or [name for name in SECTIONS
@@ -293,8 +312,8 @@ def main() -> None:
         try:
             for name in chosen:
                 section = SECTIONS[name]
-                rows += section(args.repeat) if name not in ("notebooks", "tests") \
-                    else section()
+                rows += (section(args.notebook) if name == "notebooks" else section()
+                         if name == "tests" else section(args.repeat))
         finally:
             pool.stop_all(Path(directory))
     table = render(rows)
