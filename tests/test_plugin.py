@@ -60,16 +60,15 @@ def test_the_plugin_module_imports_nothing_heavy():
     assert out.strip() == "[]"
 
 
-@pytest.mark.fast
 def test_the_fixture_comes_from_the_installed_entry_point(tmp_path):
+    """Three pytest start-ups (seconds each): not in the fast tier."""
     listed = _pytest("--fixtures", cwd=tmp_path)
     assert re.search(r"^contract_run -- .*pytest_contract_lib\.py", listed.stdout, re.M), (
         listed.stdout[-2000:])
     assert "contract_run(workload, loop=\"mlx\", patch=None" in listed.stdout
     without = _pytest("--fixtures", "-p", "no:contract_lib", cwd=tmp_path)
     assert without.returncode == 0 and "contract_run" not in without.stdout
-    markers = _pytest("--markers", cwd=tmp_path).stdout
-    assert "@pytest.mark.contract:" in markers
+    assert "@pytest.mark.contract:" in _pytest("--markers", cwd=tmp_path).stdout
 
 
 def test_the_sglang_tree_test_passes_against_the_installed_sglang(tmp_path):
