@@ -306,6 +306,16 @@ def cmd_search(args) -> int:
     return Outcome.VIOLATED
 
 
+def cmd_compare(args) -> int:
+    from contract_lib.compare import compare
+
+    result = compare(args.base, args.head, workloads=args.workloads or None,
+                     loops=args.loop or None, clauses=args.clauses, runner=args.runner,
+                     cache=not args.no_cache, warm=not args.cold)
+    print(result.text())
+    return result.outcome()
+
+
 def cmd_cache(args) -> int:
     from contract_lib import cache
 
@@ -396,6 +406,26 @@ def build_parser() -> argparse.ArgumentParser:
     search_parser.add_argument("--no-cache", action="store_true",
                                help="neither serve nor store runs in the frame cache")
     search_parser.set_defaults(handler=cmd_search)
+    compare_parser = commands.add_parser(
+        "compare", help="the same workloads through a base and a head SGLang, side by side; "
+        "exit 0 the head fixed a clause and broke none, 1 it broke one, 5 nothing changed, "
+        "2 set-up error, 3 a run did not finish, 4 vacuous (see contract_lib/compare.py)")
+    side = ("comma-separated KEY=VALUE: release=VERSION or path=TREE, then any diff=FILE "
+            "and patch=NAME (repeatable, applied in order)")
+    compare_parser.add_argument("--base", default="", help=f"{side}; default: the venv's "
+                                "SGLang, unpatched")
+    compare_parser.add_argument("--head", required=True, help=side)
+    compare_parser.add_argument("--loop", action="append", choices=loops.names(),
+                                help="restrict to these loops (repeatable; default: "
+                                "SGLang's loops)")
+    compare_parser.add_argument("workloads", nargs="*", metavar="WORKLOAD",
+                                help="shipped workload names or .toml paths (default: all "
+                                "shipped)")
+    compare_parser.add_argument("--runner", choices=RUNNERS, default="model-free",
+                                help="the mlx loop's runner, as for check")
+    _add_clauses_option(compare_parser)
+    _add_speed_options(compare_parser)
+    compare_parser.set_defaults(handler=cmd_compare)
     cache_parser = commands.add_parser("cache", help="manage the frame cache")
     cache_parser.add_argument("action", choices=["clear", "path"])
     cache_parser.set_defaults(handler=cmd_cache)

@@ -158,20 +158,22 @@ def package_root(path: Path) -> Path:
 
 
 def missing_anchors(root: Path) -> list[str]:
-    """Each anchor of :data:`ANCHORS` that the package under ``root`` lacks, as
-    ``file (Class.method)``; empty when the harness can drive it."""
+    """The anchors of :data:`ANCHORS` that the package under ``root`` lacks, one entry
+    per file: ``file (Class.method, ...)``; empty when the harness can drive it."""
     missing = []
     for relative, names in ANCHORS.items():
         path = root / relative
         if not path.is_file():
-            missing.append(f"{relative}{' (' + ', '.join(names) + ')' if names else ''}")
+            missing.append(f"{relative} (no such file)")
             continue
         try:
             found = _definitions(path.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, ValueError) as exc:
             missing.append(f"{relative} (unparsable: {exc})")
             continue
-        missing += [f"{relative} ({name})" for name in names if name not in found]
+        absent = [name for name in names if name not in found]
+        if absent:
+            missing.append(f"{relative} ({', '.join(absent)})")
     return missing
 
 

@@ -266,27 +266,29 @@ class ReleasesStatus:
 def releases_status(versions: list[str | None], workloads: list[str] | None = None,
                     loops: tuple[str, ...] | None = None, patch: PatchArg = None,
                     progress: bool = True, cache: bool = True, warm: bool = True,
-                    runner: str = "model-free", clauses: str = "all") -> ReleasesStatus:
-    """Every workload through every loop on each SGLang release in ``versions`` (None:
-    the venv's), all runs in parallel; each release installs on first use."""
-    from contract_lib.versions import require_supported_sglang, sglang_path
+                    runner: str = "model-free", clauses: str = "all",
+                    diffs: list[str] | None = None) -> ReleasesStatus:
+    """Every workload through every loop on each SGLang in ``versions`` (a release, None:
+    the venv's, or a source-tree path; ``diffs`` applied to each), all runs in parallel;
+    each release installs on first use."""
+    from contract_lib.sources import resolve
 
     workloads = workloads or workload_names()
     loops = tuple(loops or default_loops(runner))
     spec = patch_spec(patch)
-    resolved = [require_supported_sglang(v) for v in versions]
-    for version in resolved:
-        sglang_path(version)  # install before the parallel runs, one release at a time
-    keys = [(v, w, loop) for v in resolved for w in workloads for loop in loops]
-    requested = dict(zip(resolved, versions))
+    # Install or build before the parallel runs, one at a time.
+    sources = {source.label: (source, v) for v in versions
+               for source in [resolve(v, diffs)]}
+    keys = [(v, w, loop) for v in sources for w in workloads for loop in loops]
     # A pinned loop (``omni``) runs on its release: the default (None) lets it choose it.
     frames = run_many([{"workload": w, "loop": loop, "patch": spec, "cache": cache,
                         "warm": warm, "runner": runner,
-                        "sglang": requested[v] if registry.spec(loop).sglang else v}
+                        **({"sglang": sources[v][1], "diff": diffs}
+                           if registry.spec(loop).sglang else {"sglang": sources[v][0]})}
                        for v, w, loop in keys], progress=progress)
     frames = frames_or_raise(frames)  # e.g. a bad server arg: the table needs every run
     statuses = []
-    for version in resolved:
+    for version in sources:
         runs = [((w, loop), f) for (v, w, loop), f in zip(keys, frames) if v == version]
         damage = {}
         if runner == "real":
