@@ -10,12 +10,13 @@ import importlib.util
 import os
 import shutil
 import subprocess
+import warnings
 from pathlib import Path
 
 import pytest
 
 import contract_lib
-from contract_lib import sources
+from contract_lib import cache, sources
 from contract_lib.cli import main
 from contract_lib.paths import DATA_DIR
 
@@ -129,8 +130,6 @@ def test_diffs_apply_in_order_and_their_text_is_the_identity(tmp_path, diffs_dir
     edited.write_text(GOOD.read_text().replace("# rid -> Req of every", "# rid -> Req, every"))
     other = sources.resolve(None, [edited])
     assert other.sglang_dir != first.sglang_dir and other.identity != first.identity
-    from contract_lib import cache
-
     spec = {"workload": "w"}
     assert cache.key({**spec, "sglang_source": first.identity}, first.sglang_dir) != \
         cache.key({**spec, "sglang_source": other.identity}, other.sglang_dir)
@@ -195,7 +194,9 @@ def test_a_git_checkout_runs_and_is_keyed_by_its_contents(checkout, private_cach
     assert frames.output_tokens() == run_cached("two-turn", "normal").output_tokens()
     assert contract_lib.run("two-turn", "normal", sglang=str(checkout)).meta.get("cached")
     _edit(checkout / "python/sglang/srt/managers/scheduler.py", "\n# an edit\n")
-    again = contract_lib.run("two-turn", "normal", sglang=str(checkout))
+    with warnings.catch_warnings():  # a new key: a plain miss, not a discarded entry
+        warnings.simplefilter("error", cache.CacheWarning)
+        again = contract_lib.run("two-turn", "normal", sglang=str(checkout))
     assert not again.meta.get("cached") and again.status == "finished"
 
 
