@@ -45,8 +45,7 @@ from typing import Any, Sequence
 from contract_lib.atomic import atomic_write
 from contract_lib.paths import PROJECT_ROOT
 from contract_lib.versions import (SUPPORTED_SGLANG_VERSIONS, UnsupportedSGLangError,
-                                   installed_sglang_version, require_supported_sglang,
-                                   sglang_path)
+                                   require_supported_sglang, sglang_path)
 
 DIFFS_DIR_ENV = "CONTRACT_LIB_DIFFS_DIR"
 TREE_HASHES_DIR = PROJECT_ROOT / ".cache" / "sglang-trees"
@@ -468,8 +467,3 @@ def _compile(root: Path, touched: set[str]) -> None:
                 raise SourceError(f"--diff: {relative} does not compile after the diffs: "
                                   f"{exc.msg.strip().splitlines()[-1]}") from None
 
-
-def describe(source: Source) -> str:
-    """One line for a report header: what SGLang runs and from where."""
-    where = source.sglang_dir or f"the venv ({installed_sglang_version()})"
-    return f"sglang {source.label} from {where}"
