@@ -26,7 +26,7 @@ from contract_lib.contract import CLAUSE_SETS, CLAUSES
 from contract_lib.frames import Frames
 from contract_lib import loops
 from contract_lib.harness import RUNNERS, RunInterrupted, RunSetupError, run
-from contract_lib.patches import BUILTIN_PATCHES, PatchError
+from contract_lib.patches import BUILTIN_PATCHES, PatchError, patch_spec
 from contract_lib.report import run_summary, step_table
 from contract_lib.sources import is_path
 from contract_lib.verdict import Outcome, setup_failed, worst
@@ -114,7 +114,7 @@ def _default_out(args) -> Path:
     for diff in args.diff or ():
         name += f".diff-{Path(diff).stem}"
     if args.patch:
-        name += "." + _file_part("+".join(args.patch))
+        name += "." + _file_part(patch_spec(args.patch))
     return FRAMES_DIR / f"{name}.json"
 
 
@@ -199,7 +199,7 @@ def cmd_status(args) -> int:
     result = releases_status(list(dict.fromkeys(args.sglang or [None])),
                              workloads=args.workload or None,
                              loops=tuple(args.loop) if args.loop else None,
-                             patch="+".join(args.patch) if args.patch else None,
+                             patch=patch_spec(args.patch),
                              cache=not args.no_cache, warm=not args.cold,
                              runner=args.runner, clauses=args.clauses,
                              diffs=args.diff)
@@ -216,7 +216,7 @@ def cmd_audit(args) -> int:
     from contract_lib.audit import AuditRunFailed, audit
 
     try:
-        result = audit(args.workload, patch="+".join(args.patch) if args.patch else None)
+        result = audit(args.workload, patch=patch_spec(args.patch))
     except AuditRunFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.outcome
@@ -230,7 +230,7 @@ def cmd_trace(args) -> int:
     # Default: the first reference loop beside the first candidate.
     chosen = args.loop or [loops.reference_names()[0],
                            next(n for n in loops.default_names() if not loops.spec(n).reference)]
-    patch = "+".join(args.patch) if args.patch else None
+    patch = patch_spec(args.patch)
     runs = [run(args.workload, loop, patch=patch, cache=not args.no_cache,
                 warm=not args.cold) for loop in chosen]
     name = f"{Path(args.workload).stem}.{'-'.join(chosen)}"
@@ -263,7 +263,7 @@ def cmd_search(args) -> int:
                             f"{', '.join(loops.names())}")
     if args.budget < 1 or args.seeds < 1:
         raise RunSetupError("--budget and --seeds must be at least 1")
-    patch = "+".join(args.patch) if args.patch else None
+    patch = patch_spec(args.patch)
     campaigns = [Campaign(args.loop, patch, args.clause, args.budget, args.seed + k,
                           clauses=args.clauses, shrink_budget=args.shrink_budget, database=not args.no_database,
                           cache=not args.no_cache) for k in range(args.seeds)]

@@ -102,7 +102,7 @@ class Side:
 
     @property
     def patch(self) -> str | None:
-        return patch_spec("+".join(self.patches)) if self.patches else None
+        return patch_spec(list(self.patches))
 
 
 def parse_side(text: str | None) -> Side:
