@@ -10,6 +10,7 @@ import importlib.util
 import os
 import shutil
 import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -72,6 +73,22 @@ def test_a_diff_applies_to_a_hard_linked_scratch_copy_reused_by_digest(diffs_dir
     assert again == source and marker.stat().st_mtime_ns == built  # reused, not rebuilt
     assert [p.name for p in diffs_dir.iterdir() if not p.name.startswith(".build")] == [
         source.sglang_dir.parent.name]
+
+
+@pytest.mark.fast
+def test_concurrent_builds_of_one_copy_all_get_it(diffs_dir):
+    """Processes building the same scratch copy at once: one builds, all get it."""
+    code = ("import sys; from contract_lib import sources; "
+            f"print(sources.resolve(None, [{str(GOOD)!r}]).sglang_dir)")
+    env = {**os.environ, sources.DIFFS_DIR_ENV: str(diffs_dir)}
+    children = [subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                for _ in range(4)]
+    results = [child.communicate(timeout=120) + (child.returncode,) for child in children]
+    assert all(code == 0 for _, _, code in results), [err for _, err, _ in results]
+    assert len({out for out, _, _ in results}) == 1
+    assert sorted(p.name for p in diffs_dir.iterdir()) == [
+        ".build.lock", Path(results[0][0].strip()).parent.name]
 
 
 @pytest.mark.fast
