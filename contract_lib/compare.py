@@ -14,7 +14,8 @@ is the venv's SGLang, unpatched. :func:`compare` runs every (workload, loop) on 
 **fixed** it (violated on base, holds on head), **kept** it (same class of status), or
 **broke** it (not violated on base, violated on head); per run it says whether the
 emitted tokens are equal, each later turn's radix reuse, the KV pool, and the first
-step where the frames differ.
+step where the frames differ. With the real MLX runner the KV pool row (``damaged`` /
+``intact``, as ``status`` shows it) is judged like a clause: ``check`` fails on damage too.
 
 Exit codes (:meth:`Comparison.outcome`; the first that applies, as
 :data:`contract_lib.verdict.PRECEDENCE` orders a command's runs):
@@ -45,6 +46,7 @@ from typing import Any, Sequence
 
 import pandas as pd
 
+from contract_lib import kvpool
 from contract_lib import loops as registry
 from contract_lib.contract import HOLDS, MASKED, NOT_EXERCISED, VIOLATED, Report, check
 from contract_lib.frames import Frames
@@ -78,8 +80,9 @@ class Change(enum.IntEnum):
 # The order in which a comparison's changes decide its exit code.
 PRECEDENCE = (Change.INTERRUPTED, Change.USAGE, Change.BROKE, Change.NOT_FINISHED,
               Change.VACUOUS, Change.FIXED, Change.KEPT)
-_BAD = {VIOLATED, MASKED, SGLANG_WIDE}
-_CLEAN = {HOLDS, NOT_EXERCISED}
+# Cell statuses; ``damaged`` / ``intact``: the real runner's MLX KV pool row.
+_BAD = {VIOLATED, MASKED, SGLANG_WIDE, "damaged"}
+_CLEAN = {HOLDS, NOT_EXERCISED, "intact"}
 _FATES = {SETUP_ERROR: Change.USAGE, VACUOUS: Change.VACUOUS,
           "interrupted": Change.INTERRUPTED}
 
@@ -137,7 +140,7 @@ def classify(base: str, head: str) -> Change:
     if head in _BAD:
         return Change.KEPT if base in _BAD else Change.BROKE
     if base in _BAD:
-        return Change.FIXED if head == HOLDS else Change.VACUOUS
+        return Change.FIXED if head in (HOLDS, "intact") else Change.VACUOUS
     return Change.KEPT
 
 
@@ -159,10 +162,17 @@ class Comparison:
     def reports(self, side: int) -> dict[tuple[str, str], Report]:
         return {key: check(pair[side], self.clauses) for key, pair in self.runs.items()}
 
+    def kv_damage(self, side: int) -> dict[tuple[str, str], bool]:
+        """Real-runner runs only: whether each damaged the MLX KV pool (a row of the
+        clause table, judged as a clause)."""
+        return {key: kvpool.damaged(pair[side]) for key, pair in self.runs.items()
+                if pair[side].meta.get("runner") == "real"}
+
     def clause_table(self) -> pd.DataFrame:
         """One row per (clause, loop): each side's worst status over the workloads (as
         ``status`` shows it) and the change."""
-        tables = [Status(self.reports(side)).table() for side in (0, 1)]
+        tables = [Status(self.reports(side), kv_damaged=self.kv_damage(side)).table()
+                  for side in (0, 1)]
         rows = []
         for clause in tables[0].index:
             for loop in tables[0].columns:
@@ -229,13 +239,16 @@ def _reuse(frames: Frames, rid: str) -> str:
 
 def pool_summary(frames: Frames) -> str:
     """The KV pool over the run: SGLang's conservation law (``balanced`` or how many steps
-    leak) and the peak positions in use of the pool's total."""
+    leak), the peak positions in use of the pool's total, and with the real MLX runner
+    whether its KV pool was damaged (:func:`contract_lib.kvpool.damaged`)."""
     steps = frames.steps
     if steps.empty:
         return "-"
     leaks = int(steps["pool_leak"].astype(bool).sum())
     peak = int((steps["kv_total"] - steps["kv_available"]).max())
     state = f"leak at {leaks} steps" if leaks else "balanced"
+    if frames.meta.get("runner") == "real":
+        state += ", KV DAMAGED" if kvpool.damaged(frames) else ", KV intact"
     return f"{state}, peak {peak}/{int(steps['kv_total'].max())}"
 
 

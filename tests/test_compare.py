@@ -59,6 +59,8 @@ def test_a_bad_side_is_a_usage_error(text, expected):
     (HOLDS, "crashed", cmp.Change.NOT_FINISHED),
     ("setup-error", HOLDS, cmp.Change.USAGE),
     (HOLDS, "vacuous", cmp.Change.VACUOUS),
+    ("damaged", "intact", cmp.Change.FIXED),  # the real runner's KV pool row
+    ("intact", "damaged", cmp.Change.BROKE),
 ])
 def test_what_the_head_did_to_a_clause(base, head, change):
     assert cmp.classify(base, head) == change
@@ -115,3 +117,19 @@ def test_cli_compare_exit_codes(diffs_dir, capsys):
     assert err.count("\n") == 1 and "scheduler.py hunk #1" in err
     assert main(["compare", "--head", "release=0.5.23,path=/x", "two-turn"]) == 2
     assert main(["compare", "--head", "", "no-such-workload"]) == 2
+
+
+@pytest.mark.releases
+def test_the_real_runner_kv_pool_is_a_row_judged_as_a_clause():
+    """0.5.22 with ``unclamped-sync`` (0.5.21's pool sync) damages the MLX KV pool; the
+    plain release does not: the KV pool row says fixed, and the exit code follows."""
+    result = cmp.compare("release=0.5.22,patch=unclamped-sync", "release=0.5.22",
+                         workloads=["two-turn"], runner="real", progress=False)
+    table = result.clause_table().set_index("clause")
+    row = table.loc["- KV pool (real MlxModelRunner)"]
+    assert (row["base"], row["head"], row["change"]) == ("damaged (1/1)", "intact (1/1)",
+                                                        "fixed")
+    assert result.outcome() == cmp.Change.FIXED
+    runs = result.run_table()
+    assert runs["pool base"].iloc[0].startswith("balanced, KV DAMAGED")
+    assert runs["same tokens"].iloc[0] == "NO"  # the damaged pool's second turn
