@@ -333,8 +333,8 @@ def with_diffs(base: Source, paths: list[str | Path]) -> Source:
     folder = diffs_dir() / digest[:24]
     _build(folder, base, diffs)
     names = "+".join(d.path.name for d in diffs)
-    label = f"{base.label.split(' (')[0]}+{names}"
-    return Source(folder / "python", base.version, label, {**identity, "sha256": digest},
+    return Source(folder / "python", base.version, f"{base.label}+{names}",
+                  {**identity, "sha256": digest},
                   release=base.release)
 
 

@@ -230,8 +230,9 @@ class ReleasesStatus:
         loop_width = max(len(loop) for _, loop in table.index) + 2
         versions = list(table.columns)
         runner = self.statuses[0].runner
+        column = max([24] + [len(f"sglang {v}  ") for v in versions])  # a tree's label is long
         lines = ["clause".ljust(width) + "loop".ljust(loop_width)
-                 + "".join(f"sglang {v:<17}" for v in versions)]
+                 + "".join(f"sglang {v}".ljust(column) for v in versions)]
         previous = None
         for clause, loop in table.index:
             label = clause if clause != previous else ""
@@ -239,7 +240,7 @@ class ReleasesStatus:
                 lines += _section(clause, previous)
             previous = clause
             lines.append(label.ljust(width) + loop.ljust(loop_width) + "".join(
-                f"{table.loc[(clause, loop), v]:<24}" for v in versions))
+                f"{table.loc[(clause, loop), v]:<{column}}" for v in versions))
         lines.append("")
         lines.append("(worst status over the workloads, and in how many of them it shows"
                      + ("; MLX with the real MlxModelRunner)" if runner == "real" else ")"))

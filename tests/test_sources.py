@@ -226,3 +226,16 @@ def test_cli_check_on_a_checkout_with_a_diff(checkout, capsys, diffs_dir):
     line = next(l for l in out.splitlines() if l.strip().startswith("7 request state"))
     assert line.split()[4] == "holds"
     assert code == 1  # clauses 1, 2, 5 and 6 stay violated on mlx
+
+
+def test_cli_status_of_a_release_and_a_checkout_with_a_diff_side_by_side(checkout, capsys,
+                                                                         diffs_dir):
+    version = contract_lib.versions.installed_sglang_version()
+    code = main(["status", "--sglang", version, "--sglang", str(checkout), "--loop", "mlx",
+                 "--workload", "two-turn", "--diff", str(GOOD)])
+    lines = capsys.readouterr().out.splitlines()
+    assert code == 0
+    assert f"sglang {version}+fix-backend-state.diff" in lines[0]
+    assert "(tree " in lines[0] and lines[0].rstrip().endswith("+fix-backend-state.diff")
+    row = next(line for line in lines if line.startswith("7 request state retired"))
+    assert row.split()[-4:] == ["holds", "(1/1)", "holds", "(1/1)"]
