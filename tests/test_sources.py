@@ -126,6 +126,18 @@ def test_a_diff_in_another_layout_is_refused(tmp_path, diffs_dir, text, expected
 
 
 @pytest.mark.fast
+def test_a_pull_requests_files_outside_the_package_are_ignored(tmp_path, diffs_dir):
+    """A pull request's diff also changes tests and docs: only python/sglang/ applies."""
+    mixed = tmp_path / "pr.diff"
+    mixed.write_text("--- a/docs/x.md\n+++ b/docs/x.md\n@@ -1 +1 @@\n-a\n+b\n"
+                     + GOOD.read_text())
+    source = sources.resolve(None, [mixed])
+    assert "retire_released_requests" in (
+        source.sglang_dir / "sglang/srt/managers/scheduler.py").read_text()
+    assert not (source.sglang_dir.parent / "docs").exists()
+
+
+@pytest.mark.fast
 def test_diffs_apply_in_order_and_their_text_is_the_identity(tmp_path, diffs_dir):
     """A second diff that builds on the first applies only after it; editing a diff's
     text gives another scratch copy and identity (hence another cache key)."""
