@@ -74,12 +74,11 @@ def test_the_fixture_comes_from_the_installed_entry_point(tmp_path):
 def test_the_sglang_tree_test_passes_against_the_installed_sglang(tmp_path):
     """Torch loops green on every shipped workload; the MLX loop's known violations are
     strict xfails; with the candidate fixes green, except mixed-chunk's clause 4."""
-    import contract_lib
-
     proc, outcomes = _run_sglang_test(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    workloads = contract_lib.workload_names()
     torch = _ids(outcomes, "test_torch_loops_keep_the_per_step_contract")
+    workloads = {case.rsplit("-", 1)[0] for case in torch}
+    assert "two-turn" in workloads and "mixed-chunk" in workloads
     assert torch == {f"{w}-{loop}": "PASSED" for w in workloads
                      for loop in ("normal", "overlap")}
     assert _ids(outcomes, "test_mlx_overlap_loop_keeps_the_per_step_contract") == {
@@ -117,3 +116,24 @@ def test_a_fixed_mlx_loop_turns_the_strict_xfails_red(tmp_path):
         "test_mlx_overlap_loop_keeps_the_per_step_contract[two-turn]": "FAILED",
         "test_mlx_overlap_loop_keeps_the_per_step_contract[mixed-chunk]": "XFAIL"}
     assert "[XPASS(strict)]" in proc.stdout
+
+
+def test_sglang_ci_finds_and_runs_the_file_as_it_runs_its_own(tmp_path):
+    """SGLang's CI parses each file for its registrations (``ut_parse_one_file``) and
+    runs it as ``python3 FILE``: both suites are found, and the main entry runs the
+    file's tests through pytest (the plugin included) with a passing exit code."""
+    parse = ("import sglang_import_shims; "
+             "from sglang.test.ci.ci_register import ut_parse_one_file; "
+             f"regs, main = ut_parse_one_file({str(SGLANG_TEST)!r}); "
+             "print(main, sorted((r.backend.name, r.effective_suite) for r in regs))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
+    parsed = subprocess.run([sys.executable, "-c", parse], capture_output=True, text=True,
+                            env=env, check=True).stdout
+    assert parsed.strip() == ("True [('CPU', 'base-a-test-cpu'), "
+                              "('MLX', 'stage-a-unit-test-mlx')]")
+    as_script = ("import runpy, sglang_import_shims; "
+                 f"runpy.run_path({str(SGLANG_TEST)!r}, run_name='__main__')")
+    ran = subprocess.run([sys.executable, "-c", as_script], capture_output=True, text=True,
+                         env=env, cwd=tmp_path, timeout=900)
+    assert ran.returncode == 0, ran.stdout[-3000:]
+    assert re.search(r"\b\d+ passed, \d+ xfailed\b", ran.stdout), ran.stdout[-1000:]
