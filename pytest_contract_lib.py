@@ -49,7 +49,7 @@ def contract_run(request: pytest.FixtureRequest,
     through ``loop`` of the installed SGLang with only the model forward replaced, and
     returns its frames, whatever happened (check them with
     ``contract_lib.contract.assert_contract``). ``patch`` and ``run_kwargs``
-    (``server_args``, ``runner``, ``sglang``, ``cache``...) are those of
+    (``server_args``, ``runner``, ``sglang``, ``diff``, ``cache``...) are those of
     ``contract_lib.run``; finished runs are served from its frame cache unless
     ``cache=False``. Bad input raises its one-line error (``WorkloadError``,
     ``RunSetupError``, ``UnsupportedSGLangError`` for an SGLang contract_lib cannot
