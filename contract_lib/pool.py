@@ -204,11 +204,18 @@ class Server:
         self.lock_path = directory / f"{self.key}.lock"
         self.log_path = directory / f"{self.key}.log"
         self.arg_kinds: dict | None = None
+        # The content identity of a source tree or diff copy (contract_lib.sources), as
+        # the latest run asked for it: an edited tree makes the server stale at once.
+        self.identity: dict | None = None
 
     def fingerprint(self) -> str:
         from contract_lib.cache import code_fingerprint
 
-        return code_fingerprint(None if self.sglang_dir is None else Path(self.sglang_dir))
+        code = code_fingerprint(None if self.sglang_dir is None else Path(self.sglang_dir))
+        if self.identity is None:
+            return code
+        return hashlib.sha256(json.dumps([code, self.identity], sort_keys=True,
+                                         default=str).encode()).hexdigest()
 
     # connections
 
@@ -303,7 +310,8 @@ class Server:
                 starter = subprocess.Popen(
                     [sys.executable, "-c", "from contract_lib.server import main; main()",
                      str(self.socket_path), fingerprint, str(idle_seconds()),
-                     str(ready_write), "" if self.sglang_dir is None else str(self.sglang_dir)],
+                     str(ready_write), "" if self.sglang_dir is None else str(self.sglang_dir),
+                     json.dumps(self.identity)],
                     pass_fds=(ready_write,), stdin=subprocess.DEVNULL, stdout=log,
                     stderr=log, env=child_env(self.sglang_dir), start_new_session=True)
             os.close(ready_write)
@@ -393,9 +401,10 @@ class Pool:
         self.servers: dict[tuple[str, str], Server] = {}
         self.lock = threading.Lock()
 
-    def acquire(self, sglang_dir=None) -> Server | None:
+    def acquire(self, sglang_dir=None, identity: dict | None = None) -> Server | None:
         """The handle on ``sglang_dir``'s server (started on the first request), or None
-        when servers are switched off or their directory cannot be used (one warning)."""
+        when servers are switched off or their directory cannot be used (one warning).
+        ``identity``: the content identity of a source tree or diff copy, if it is one."""
         if not enabled():
             return None
         try:
@@ -407,7 +416,9 @@ class Pool:
         with self.lock:
             if key not in self.servers:
                 self.servers[key] = Server(directory, sglang_dir)
-            return self.servers[key]
+            server = self.servers[key]
+            server.identity = identity
+            return server
 
     def unavailable(self, exc: BaseException) -> None:
         _warn(f"{exc}; this run starts cold")

@@ -136,8 +136,9 @@ def collect(receiver: Connection, child, meta: dict[str, Any], hang_timeout: flo
     elif getattr(child, "server_lost", False):
         status, error = "died", {
             "type": "ForkServerDied", "phase": phase,
-            "message": "the warm fork server died during the run, so the run's exit status "
-                       "is unknown; its process was killed (rerun, or use warm=False)",
+            "message": "the warm server died or was stopped during the run, so the run's "
+                       "exit status is unknown; its process was killed (rerun: a new "
+                       "server starts; or use warm=False)",
             "traceback": None, "signal": None, "exit_code": None, "log_tail": tail}
     else:
         code = child.returncode

@@ -21,6 +21,7 @@ forking thread, here the server's only one).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import selectors
 import signal
@@ -56,22 +57,24 @@ def preload() -> None:
 
 
 def main() -> None:
-    """``argv``: socket path, fingerprint, idle seconds, ready fd, sglang_dir ('' none)."""
-    socket_path, fingerprint, idle_s, ready_fd, sglang_dir = sys.argv[1:6]
+    """``argv``: socket path, fingerprint, idle seconds, ready fd, sglang_dir ('' none),
+    the JSON identity of a source tree or diff copy (``null`` none)."""
+    socket_path, fingerprint, idle_s, ready_fd, sglang_dir, identity = sys.argv[1:7]
     if os.fork():
         os._exit(0)  # the starter reaps this; the server is nobody's child
     preload()
-    WarmServer(Path(socket_path), fingerprint, float(idle_s), sglang_dir or None).serve(
-        int(ready_fd))
+    WarmServer(Path(socket_path), fingerprint, float(idle_s), sglang_dir or None,
+               json.loads(identity)).serve(int(ready_fd))
 
 
 class WarmServer:
     def __init__(self, socket_path: Path, fingerprint: str, idle_s: float,
-                 sglang_dir: str | None) -> None:
+                 sglang_dir: str | None, identity: dict | None) -> None:
         from importlib import metadata
 
         self.socket_path = socket_path
         self.fingerprint = fingerprint
+        self.identity = identity
         self.idle_s = idle_s
         self.sglang_dir = sglang_dir
         self.sglang_version = metadata.version("sglang")
@@ -279,7 +282,8 @@ class WarmServer:
                      else self.idle_s - (time.monotonic() - self.last_active))
         return {"pid": os.getpid(), "socket": str(self.socket_path),
                 "sglang_dir": self.sglang_dir, "sglang_version": self.sglang_version,
-                "fingerprint": self.fingerprint, "started": self.started,
+                "fingerprint": self.fingerprint, "identity": self.identity,
+                "started": self.started,
                 "uptime_s": time.time() - self.started, "idle_left_s": max(idle_left, 0.0),
                 "idle_s": self.idle_s, "runs_served": self.runs_served,
                 "running": sorted(self.runs), "retiring": self.retiring}

@@ -185,6 +185,22 @@ def test_a_server_of_other_library_files_is_replaced(servers, monkeypatch, tmp_p
     assert before.status == after.status == "finished"
 
 
+def test_a_server_of_an_edited_source_tree_is_replaced(servers):
+    """A source tree or diff copy (contract_lib.sources) is judged by its content
+    identity, which the run spec carries: an edit makes its server stale at once."""
+    handle = pool.POOL.acquire(None, {"sha256": "tree before the edit"})
+    handle.arg_kinds = None
+    handle.server_arg_kinds()
+    (old,) = pool.statuses(servers)
+    assert old["identity"] == {"sha256": "tree before the edit"}
+    handle = pool.POOL.acquire(None, {"sha256": "tree after the edit"})
+    handle.arg_kinds = None
+    handle.server_arg_kinds()
+    (new,) = pool.statuses(servers)
+    assert new["pid"] != old["pid"] and new["identity"] == {"sha256": "tree after the edit"}
+    assert _wait_until(lambda: not _alive(old["pid"]), 10), "the stale server stayed"
+
+
 # -- cold fallbacks ---------------------------------------------------------------------------
 
 
