@@ -4,7 +4,8 @@
 SGLang of ``run``, ``check`` and ``status`` (a release, or a source tree), ``--diff FILE``
 applies upstream diffs to it (:mod:`contract_lib.sources`); ``status`` takes ``--sglang``
 several times to print the tables side by side. ``compare`` runs the same workloads
-through a base and a head SGLang (:mod:`contract_lib.compare`).
+through a base and a head SGLang (:mod:`contract_lib.compare`). ``server status|stop``
+shows or stops the warm servers runs fork from (:mod:`contract_lib.pool`).
 
 Exit codes (one per outcome, :mod:`contract_lib.verdict`): 0 pass, 1 a clause violated
 (or the MLX KV pool damaged), 2 a usage or set-up error (unknown name, unsupported SGLang,
