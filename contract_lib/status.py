@@ -15,7 +15,7 @@ from contract_lib.contract import (CLAUSES, EXTENDED_FIELDS, HOLDS, MASKED, NOT_
 from contract_lib import loops as registry
 from contract_lib.harness import frames_or_raise, run_many
 from contract_lib.patches import PatchArg, patch_spec
-from contract_lib.verdict import Outcome, loop_mismatch, setup_failed, worst
+from contract_lib.verdict import Outcome, loop_mismatch, setup_failed, unsupported, worst
 from contract_lib.workloads import workload_names
 
 # The extra row of a real-runner table: did a run write KV through slot 0 or into another
@@ -28,9 +28,12 @@ KV_POOL_ROW = "- KV pool (real MlxModelRunner)"
 # and a finished but vacuous run (no clause exercised, an unexpected aborted request)
 # shows ``vacuous``: none of them earned ``holds``.
 SETUP_ERROR, VACUOUS = "setup-error", "vacuous"
+# A run the loop refused in set-up because SGLang, as built for it, cannot run what the
+# workload asks (e.g. page_size > 1 on MLX): shown, and not counted in the exit code.
+UNSUPPORTED = "unsupported"
 # Worst first: the status a (clause, loop) cell shows over several workloads.
 _SEVERITY = [VIOLATED, MASKED, SETUP_ERROR, "crashed", "died", "timeout", "interrupted",
-             VACUOUS, HOLDS, NOT_EXERCISED]
+             VACUOUS, UNSUPPORTED, HOLDS, NOT_EXERCISED]
 # The cell of a (clause, loop) whose every violating run is a catalogued SGLang-wide bug
 # (contract_lib.contract.sglang_finding): reported, and not a reference-loop failure.
 SGLANG_WIDE = "sglang-wide bug"
@@ -40,6 +43,8 @@ def run_cell_status(report: Report) -> str | None:
     """What a run's non-violated clause cells show instead of their own status, or None
     when the run earned its clause statuses."""
     meta = report.meta
+    if unsupported(meta):
+        return UNSUPPORTED
     if setup_failed(meta) or loop_mismatch(meta):
         return SETUP_ERROR
     if meta["status"] != "finished":
@@ -51,7 +56,9 @@ def run_outcome(report: Report, reference: bool) -> Outcome:
     """A run's contribution to ``status``'s exit code: its fate, and a clause violation
     only on a reference (torch) loop and not as a catalogued SGLang-wide bug
     (:func:`contract_lib.contract.sglang_finding`); the MLX loop's violations are the
-    measurement."""
+    measurement. A run the loop refused as unsupported counts for nothing."""
+    if unsupported(report.meta):
+        return Outcome.PASS
     outcome = report.verdict().outcome
     if outcome != Outcome.VIOLATED:
         return outcome
