@@ -1,0 +1,253 @@
+"""Workloads that say what bug reports say: stop tokens and EOS, aborts, priorities and
+``page_size`` above 1, on every loop they apply to (``data/workloads/stop-tokens``,
+``abort``, ``priority``, ``page-size-4``), and each new field's validation error."""
+
+from __future__ import annotations
+
+import pytest
+
+import contract_lib
+from contract_lib.contract import HOLDS, check
+from contract_lib.verdict import Outcome, unsupported
+from contract_lib.workloads import Workload, WorkloadError, load_workload
+
+LOOPS = ("normal", "overlap", "mlx")
+TORCH = ("normal", "overlap")
+
+
+def _last(frames: contract_lib.Frames) -> dict[str, dict]:
+    """Each request's last recorded row of the ``requests`` table."""
+    rows = frames.requests.sort_values("step", kind="stable").groupby("rid").tail(1)
+    return {r["rid"]: r for r in rows.to_dict("records")}
+
+
+def _finished(frames: contract_lib.Frames) -> contract_lib.Frames:
+    assert frames.status == "finished", (frames.meta.get("loop"), frames.error)
+    return frames
+
+
+def _assert_torch_contract(frames: contract_lib.Frames) -> None:
+    """The torch loops hold RFC #32833's clauses on the workload (no false positive) and
+    the run earns a pass."""
+    report = check(frames, "rfc")
+    assert report.verdict().outcome == Outcome.PASS, report.text()
+    assert all(r.status in (HOLDS, "not-exercised") for r in report.clauses.values())
+    assert report.clauses[1].status == HOLDS and report.clauses[2].status == HOLDS
+
+
+# -- stop tokens and EOS -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_stop_tokens_finish_where_the_forward_emits_them(run_cached, loop):
+    frames = _finished(run_cached("stop-tokens", loop))
+    tokens, last = frames.output_tokens(), _last(frames)
+    # a: its stop token 7, emitted as output 5, ends it there (6 tokens).
+    assert tokens["a"][5] == 7 and len(tokens["a"]) == 6
+    assert last["a"]["finish_reason"] == "stop"
+    # b: the model's EOS (2) as output 3.
+    assert tokens["b"][3] == 2 and len(tokens["b"]) == 4
+    assert last["b"]["finish_reason"] == "stop"
+    # c: EOS emitted, ignore_eos: decodes to max_new_tokens.
+    assert tokens["c"][2] == 2 and len(tokens["c"]) == 10
+    assert last["c"]["finish_reason"] == "length"
+    # d: the stop token before min_new_tokens (output 1) is ignored, the second ends it.
+    assert tokens["d"][1] == 8 and tokens["d"][7] == 8 and len(tokens["d"]) == 8
+    assert last["d"]["finish_reason"] == "stop"
+
+
+def test_stop_tokens_identical_across_loops(run_cached):
+    tokens = {loop: run_cached("stop-tokens", loop).output_tokens() for loop in LOOPS}
+    assert tokens["overlap"] == tokens["normal"] and tokens["mlx"] == tokens["normal"]
+
+
+@pytest.mark.parametrize("loop", TORCH)
+def test_stop_tokens_torch_loops_hold_the_contract(run_cached, loop):
+    _assert_torch_contract(run_cached("stop-tokens", loop))
+
+
+# -- aborts ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_scripted_aborts(run_cached, loop):
+    frames = _finished(run_cached("abort", loop))
+    tokens, last = frames.output_tokens(), _last(frames)
+    spec = load_workload("abort")
+    # a: aborted while decoding, after some tokens and well before max_new_tokens.
+    assert last["a"]["finish_reason"] == "abort"
+    assert 0 < len(tokens["a"]) < spec.request("a").max_new_tokens
+    # b: aborted in the step it arrived, from the waiting queue: nothing computed.
+    assert last["b"]["finish_reason"] == "abort" and not tokens.get("b")
+    assert last["b"]["req_pool_idx"] is None or last["b"]["kv_allocated_len"] == 0
+    assert last["c"]["finish_reason"] == "length" and len(tokens["c"]) == 16
+    # Scripted aborts are expected: the run is not vacuous for them.
+    report = check(frames)
+    assert set(report.aborted["rid"]) == {"a", "b"} and report.aborted["expected"].all()
+    assert not report.vacuity()
+
+
+def test_aborts_emit_the_same_tokens_on_every_loop(run_cached):
+    """Requests that run to the end emit identical tokens; an aborted one emits a prefix
+    of the same sequence (where the abort lands depends on the loop's step cadence)."""
+    tokens = {loop: run_cached("abort", loop).output_tokens() for loop in LOOPS}
+    for loop in LOOPS:
+        assert tokens[loop]["c"] == tokens["normal"]["c"]
+    longest = max((t["a"] for t in tokens.values()), key=len)
+    for loop in LOOPS:
+        assert longest[:len(tokens[loop]["a"])] == tokens[loop]["a"]
+
+
+@pytest.mark.parametrize("loop", TORCH)
+def test_aborts_torch_loops_hold_the_contract(run_cached, loop):
+    _assert_torch_contract(run_cached("abort", loop))
+
+
+# -- priorities ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_priority_preempts_and_orders(run_cached, loop):
+    frames = _finished(run_cached("priority", loop))
+    last, spec = _last(frames), load_workload("priority")
+    tokens = frames.output_tokens()
+    assert {rid: len(t) for rid, t in tokens.items()} == {
+        r.rid: r.max_new_tokens for r in spec.requests}
+    finished_at = frames.requests[frames.requests["finished"]].groupby("rid")["step"].min()
+    # The high-priority newcomer finishes before the low-priority one it arrived with.
+    assert finished_at["c"] < finished_at["d"]
+    # It preempted the lowest-priority running request (retracted, re-prefilled).
+    assert last["a"]["retractions"] >= 1 and last["b"]["retractions"] == 0
+
+
+def test_priority_identical_across_loops(run_cached):
+    tokens = {loop: run_cached("priority", loop).output_tokens() for loop in LOOPS}
+    assert tokens["overlap"] == tokens["normal"] and tokens["mlx"] == tokens["normal"]
+
+
+@pytest.mark.parametrize("loop", TORCH)
+def test_priority_torch_loops_hold_the_contract(run_cached, loop):
+    _assert_torch_contract(run_cached("priority", loop))
+
+
+# -- page_size 4 -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loop", TORCH)
+def test_page_size_4_runs_on_the_torch_loops(run_cached, loop):
+    frames = _finished(run_cached("page-size-4", loop))
+    _assert_torch_contract(frames)
+    # The second turn's radix match is whole pages.
+    cached = int(_last(frames)["a2"]["cached_tokens"])
+    assert cached > 0 and cached % 4 == 0
+    # Every slot handed to a request is in a page that request holds from its start.
+    slots = frames.slots[frames.slots["written"].astype(bool)]
+    for (_, _rid), group in slots.groupby(["step", "rid"]):
+        ordered = group.sort_values("position")
+        assert ((ordered["slot"] % 4) == (ordered["position"] % 4)).all()
+
+
+def test_page_size_4_same_tokens_as_page_size_1(run_cached):
+    paged = run_cached("page-size-4", "normal").output_tokens()
+    assert run_cached("page-size-4", "overlap").output_tokens() == paged
+    unpaged = load_workload("page-size-4")
+    unpaged = Workload.from_dict({**unpaged.to_dict(), "server_args": {}})
+    assert contract_lib.run(unpaged, "normal").output_tokens() == paged
+
+
+def test_page_size_4_is_refused_on_mlx(run_cached):
+    frames = run_cached("page-size-4", "mlx")
+    reason = unsupported(frames.meta)
+    assert reason is not None and "page_size=4" in reason and "\n" not in reason
+    report = check(frames)
+    assert report.verdict().outcome == Outcome.USAGE  # exit 2
+
+
+# -- sglang-omni and the real runner ---------------------------------------------------------
+
+
+@pytest.mark.releases
+@pytest.mark.parametrize("workload", ["stop-tokens", "abort", "priority", "page-size-4"])
+def test_omni_runs_or_refuses_clearly(run_cached, workload):
+    frames = run_cached(workload, "omni")
+    reason = unsupported(frames.meta)
+    if reason is not None:
+        assert "omni" in reason and "\n" not in reason
+        return
+    _finished(frames)
+    torch = run_cached(workload, "normal", sglang="0.5.22")
+    if workload == "abort":
+        assert frames.output_tokens()["c"] == torch.output_tokens()["c"]
+    else:
+        assert frames.output_tokens() == torch.output_tokens()
+
+
+def test_real_runner_refuses_a_scripted_forward(run_cached):
+    frames = run_cached("stop-tokens", "mlx", runner="real")
+    assert "emit" in (unsupported(frames.meta) or "")
+
+
+# -- validation ------------------------------------------------------------------------------
+
+BASE = {"name": "w", "requests": [{"rid": "a", "prompt": [20, 21], "max_new_tokens": 4}]}
+
+
+def _with(request: dict | None = None, **top) -> dict:
+    return {**BASE, **top, "requests": [{**BASE["requests"][0], **(request or {})}]}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("raw, message", [
+    (_with({"stop_token_ids": 7}), "stop_token_ids must be a list"),
+    (_with({"stop_token_ids": [-1]}), "stop_token_ids entry must be >= 0"),
+    (_with({"stop_token_ids": ["7"]}), "stop_token_ids entry must be an integer"),
+    (_with({"emit": {"x": 2}}), "emit position must be an integer"),
+    (_with({"emit": {"4": 2}}), "emit position 4 is past the request's output"),
+    (_with({"emit": {"1": 2.0}}), "emit token (position 1) must be an integer"),
+    (_with({"emit": {"1": -3}}), "emit token (position 1) must be >= 0"),
+    (_with({"emit": [1, 2]}), "emit must be a table of output position = token"),
+    (_with({"emit": [[1, 2], [1, 3]]}), "emit names a position twice"),
+    (_with({"ignore_eos": "yes"}), "ignore_eos must be true or false"),
+    (_with({"min_new_tokens": 5}), "min_new_tokens (5) exceeds max_new_tokens (4)"),
+    (_with({"min_new_tokens": 1.5}), "min_new_tokens must be an integer"),
+    (_with({"abort_at": 2, "arrival": 3}), "abort_at must be >= 3"),
+    (_with({"abort_at": True}), "abort_at must be an integer"),
+    (_with({"priority": "high"}, server_args={"enable_priority_scheduling": True}),
+     "priority must be an integer"),
+    (_with({"priority": 3}), "enable_priority_scheduling = true"),
+    (_with({"stop_tokens": [7]}), "unknown field(s) ['stop_tokens']"),
+])
+def test_each_new_field_is_validated(raw, message):
+    with pytest.raises(WorkloadError) as caught:
+        Workload.from_dict(raw, source="w.toml")
+    assert message in str(caught.value) and str(caught.value).startswith("w.toml: ")
+
+
+@pytest.mark.fast
+def test_an_abort_that_sglang_would_match_by_prefix_is_refused():
+    raw = {"name": "w", "requests": [
+        {"rid": "a", "prompt": [20], "max_new_tokens": 2, "abort_at": 1},
+        {"rid": "a2", "prompt": [21], "max_new_tokens": 2}]}
+    with pytest.raises(WorkloadError, match=r"prefix, so it would also abort \['a2'\]"):
+        Workload.from_dict(raw)
+
+
+@pytest.mark.fast
+def test_stop_and_scripted_tokens_must_be_in_the_vocabulary():
+    for field, value in (("stop_token_ids", [600]), ("emit", {"0": 600})):
+        workload = Workload.from_dict(_with({field: value}))
+        with pytest.raises(WorkloadError, match="outside the model's vocabulary"):
+            workload.check_vocabulary(512)
+
+
+@pytest.mark.fast
+def test_new_fields_round_trip_and_scripted_aborts_are_expected():
+    workload = Workload.from_dict(_with(
+        {"stop_token_ids": [7], "emit": {"2": 7, "0": 2}, "ignore_eos": True,
+         "min_new_tokens": 1, "abort_at": 3, "priority": 4},
+        server_args={"enable_priority_scheduling": True}))
+    assert Workload.from_dict(workload.to_dict()) == workload
+    assert workload.scripted_tokens() == {"a": {0: 2, 2: 7}}
+    assert workload.expected_outcomes() == {"aborted": ["a"]}
+    for name in ("stop-tokens", "abort", "priority", "page-size-4"):
+        assert name in contract_lib.workload_names()
