@@ -7,6 +7,9 @@ records, and calls the original:
   requests are fed in and where the run is stopped.
 - ``Scheduler._add_request_to_queue`` (instance): keeps a registry of every ``Req``.
 - ``Scheduler.process_batch_result`` (instance): completes the launch record.
+- ``ipc_channels.send_to_tokenizer.send_output`` (instance): the ``AbortReq`` outputs by
+  which SGLang ends a request outside the output stream (an abort while it is queued
+  pops it without setting ``finished_reason``); recorded as that request's finish.
 - ``resolve_forward_inputs`` (the name imported by ``scheduler`` and the MLX mixin):
   relay reads; ``FutureMap.stash`` / ``stash_bonus_tokens`` (instance): relay writes.
 - The forward launch: the torch model-free forward calls :meth:`Recorder.on_torch_launch`;
@@ -84,11 +87,13 @@ def _prefilled_tokens(batch) -> int:
 
 
 def free_slot_mask(allocator) -> np.ndarray:
-    """A mask over slot ids: True where the allocator holds the slot as free
-    (``free_pages`` or ``release_pages``)."""
-    mask = np.zeros(allocator.size + 1, dtype=bool)
-    mask[allocator.free_pages.numpy()] = True
-    mask[allocator.release_pages.numpy()] = True
+    """A mask over slot ids: True where the allocator holds the slot as free (its free
+    pages, released or staged ones included, as SGLang's own census
+    ``get_all_free_pages`` lists them; a page is ``page_size`` slots, page 0 reserved)."""
+    page = allocator.page_size
+    pages = allocator.get_all_free_pages().numpy()
+    mask = np.zeros((allocator.size // page + 1) * page, dtype=bool)
+    mask[(pages[:, None] * page + np.arange(page)).reshape(-1)] = True
     return mask
 
 
@@ -132,6 +137,9 @@ class Recorder:
         # decode_batch_idx counts the decode launches since).
         self.kv_prefilled: dict[str, int] = {}
         self.backend = None
+        # Requests SGLang ended with an AbortReq output: rid -> its finished_reason dict.
+        self.abort_outputs: dict[str, dict[str, Any]] = {}
+        self.aborts_sent: set[str] = set()
 
     # -- installation -------------------------------------------------------------------
 
@@ -155,6 +163,7 @@ class Recorder:
             return real_process(batch, result, *args, **kwargs)
 
         setattr(s, boundary, ingest_requests)
+        self._install_abort_output_hook()
         if self.omni:
             real_build = s.request_builder
 
@@ -178,6 +187,26 @@ class Recorder:
         if self.mlx:
             self._install_mlx_launch_hooks()
         self.backend = BackendStateRecorder(self.s)
+
+    def _install_abort_output_hook(self) -> None:
+        """Record every ``AbortReq`` SGLang sends back for a request (every caller ends
+        the request); a request aborted while queued has no other trace of its end."""
+        from sglang.srt.managers.io_struct import AbortReq
+
+        sender = self.s.ipc_channels.send_to_tokenizer
+        real_send = sender.send_output
+
+        def send_output(output, *args, **kwargs):
+            if isinstance(output, AbortReq) and output.rid:
+                self.abort_outputs.setdefault(
+                    output.rid, dict(output.finished_reason or {"type": "abort"}))
+            return real_send(output, *args, **kwargs)
+
+        sender.send_output = send_output
+
+    def _ended(self, req) -> bool:
+        """Finished, or ended by an abort output (popped from the queue unfinished)."""
+        return bool(req.finished()) or req.rid in self.abort_outputs
 
     def _install_omni_resolve_hook(self) -> None:
         """Pair each lookahead launch with its resolve (``resolve_and_process``), in
@@ -438,7 +467,7 @@ class Recorder:
 
     def done(self) -> bool:
         return (len(self.fed) == len(self.workload.requests)
-                and all(req.finished() for req in self.reqs.values())
+                and all(self._ended(req) for req in self.reqs.values())
                 and len(self.reqs) == len(self.workload.requests)
                 and self._in_flight() == 0)
 
@@ -454,22 +483,38 @@ class Recorder:
         return bool(self.s.enable_overlap or (self.omni and self.s.enable_async_decode))
 
     def feed(self) -> None:
+        """Hand SGLang the requests due at this step, then the aborts due (each after its
+        request, through the same ingress)."""
         for spec in self.workload.requests:
-            if spec.rid in self.fed or spec.arrival > self.step:
-                continue
-            prompt = list(spec.prompt)
-            if spec.turn_of is not None:
-                parent = self.reqs.get(spec.turn_of)
-                if parent is None or not parent.finished():
-                    continue
-                prompt = list(parent.origin_input_ids) + list(parent.output_ids) + prompt
-            if self.omni:
-                from contract_lib.shims import omni_request_message
+            self._feed_request(spec)
+        for spec in self.workload.requests:
+            if (spec.abort_at is not None and spec.abort_at <= self.step
+                    and spec.rid in self.fed and spec.rid not in self.aborts_sent):
+                self._send_abort(spec.rid)
 
-                self.s.inbox.put(omni_request_message(spec.rid, prompt, spec.max_new_tokens))
-            else:
-                self.s.request_receiver.pending.append(_tokenized_request(spec, prompt))
-            self.fed.add(spec.rid)
+    def _send_abort(self, rid: str) -> None:
+        """SGLang's own ``AbortReq``, as the tokenizer manager sends for a client abort."""
+        from sglang.srt.managers.io_struct import AbortReq
+
+        self.s.request_receiver.pending.append(AbortReq(rid=rid))
+        self.aborts_sent.add(rid)
+
+    def _feed_request(self, spec: RequestSpec) -> None:
+        if spec.rid in self.fed or spec.arrival > self.step:
+            return
+        prompt = list(spec.prompt)
+        if spec.turn_of is not None:
+            parent = self.reqs.get(spec.turn_of)
+            if parent is None or not self._ended(parent):
+                return
+            prompt = list(parent.origin_input_ids) + list(parent.output_ids) + prompt
+        if self.omni:
+            from contract_lib.shims import omni_request_message
+
+            self.s.inbox.put(omni_request_message(spec.rid, prompt, spec.sampling()))
+        else:
+            self.s.request_receiver.pending.append(_tokenized_request(spec, prompt))
+        self.fed.add(spec.rid)
 
     def snapshot(self) -> None:
         s, step = self.s, self.step
@@ -493,10 +538,11 @@ class Recorder:
         for index, (rid, req) in enumerate(self.reqs.items()):
             kv = req.kv
             row = kv.req_pool_idx
-            reason = req.finished_reason.to_json() if req.finished_reason else {}
+            reason = (req.finished_reason.to_json() if req.finished_reason
+                      else self.abort_outputs.get(rid, {}))
             rows.append(("requests", {
                 "step": step, "rid": rid, "prompt_len": len(req.origin_input_ids),
-                "emitted": len(req.output_ids), "finished": bool(req.finished()),
+                "emitted": len(req.output_ids), "finished": self._ended(req),
                 "req_pool_idx": row, "seq_len": self._seq_len(req, running, last),
                 "kv_computed": self.kv_computed.get(rid),
                 "kv_committed_len": kv.kv_committed_len,
@@ -508,7 +554,7 @@ class Recorder:
                 "decode_batch_idx": getattr(req, "decode_batch_idx", None),
                 "kv_prefilled": self.kv_prefilled.get(rid),
             }))
-            if row is None or req.finished():
+            if row is None or self._ended(req):
                 continue
             width = max(self.kv_computed.get(rid, 0), kv.kv_allocated_len)
             entries = rtt[row, :width].numpy()
@@ -659,17 +705,18 @@ class _EmptyBatch:
 
 
 def _tokenized_request(spec: RequestSpec, prompt: list[int]):
-    """A real ``TokenizedGenerateReqInput``, greedy, as the tokenizer manager would send."""
+    """A real ``TokenizedGenerateReqInput``, greedy, with the request's stop tokens,
+    sampling switches and priority, as the tokenizer manager would send it."""
     from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     from contract_lib.shims import VOCAB_SIZE
 
-    params = SamplingParams(max_new_tokens=spec.max_new_tokens, temperature=0.0)
+    params = SamplingParams(**spec.sampling())
     params.normalize(None)
     params.verify(VOCAB_SIZE)
     return TokenizedGenerateReqInput(
         rid=spec.rid, input_text=None, input_ids=array.array("q", prompt),
         input_embeds=None, mm_inputs=None, token_type_ids=None, sampling_params=params,
         return_logprob=False, logprob_start_len=-1, top_logprobs_num=0,
-        token_ids_logprob=None, stream=False)
+        token_ids_logprob=None, stream=False, priority=spec.priority)

@@ -160,6 +160,9 @@ def _build(spec: dict[str, Any], loop_spec: loops.LoopSpec, emit,
         raise Unsupported(
             "the workload scripts the model-free forward (emit), which --runner real "
             "replaces with a real model; run it with the model-free runner")
+    if loop_spec.family == loops.OMNI:
+        _refuse_on_omni(workload)
+    shims.install_token_script(workload.scripted_tokens())
     model_dir = spec["model_dir"] if runner == "real" else str(MODEL_DIR)
     args = {**BASE_SERVER_ARGS, "model_path": model_dir,
             "disable_overlap_schedule": loop_spec.disable_overlap_schedule,
@@ -202,6 +205,17 @@ def _build(spec: dict[str, Any], loop_spec: loops.LoopSpec, emit,
         kv_recorder = KvPoolRecorder(scheduler, recorder, emit, model_dir)
         kv_recorder.install()
     return scheduler, recorder, kv_recorder
+
+
+def _refuse_on_omni(workload: Workload) -> None:
+    """Aborts and priorities go through SGLang's ingress (``AbortReq``, the request's
+    ``priority``); sglang-omni's ingress is its inbox of pipeline messages, which this
+    project does not script for them."""
+    fields = [f for f in ("abort_at", "priority")
+              if any(getattr(r, f) is not None for r in workload.requests)]
+    if fields:
+        raise Unsupported(f"loop omni: the workload's {' and '.join(fields)} are not "
+                          "scripted through sglang-omni's inbox ingress")
 
 
 def _check_page_size(scheduler, loop: str) -> None:

@@ -55,6 +55,30 @@ def next_token(last_token: int, seq_len: int) -> int:
     return FIRST_ORDINARY_TOKEN + (last_token * 31 + seq_len * 17 + 7) % span
 
 
+# The workload's ``emit``: {rid: {output position: token}} (``install_token_script``).
+_TOKEN_SCRIPT: dict[str, dict[int, int]] = {}
+
+
+def install_token_script(script: dict[str, dict[int, int]]) -> None:
+    """Make the model-free forwards emit ``script[rid][k]`` as output token ``k`` of
+    request ``rid`` (a workload's ``emit``; a stop token or EOS at a chosen position).
+
+    Why: stop-token and EOS finishes need the model to emit a chosen token; this is part
+    of the fake model (its "weights"), read by :func:`scripted_token` on every path.
+    """
+    _TOKEN_SCRIPT.clear()
+    _TOKEN_SCRIPT.update({rid: dict(tokens) for rid, tokens in script.items()})
+
+
+def scripted_token(rid: str, seq_len: int, prompt_len: int) -> int | None:
+    """The scripted token of ``rid`` for a step that computes ``seq_len`` positions of a
+    request whose prompt is ``prompt_len`` tokens (output position ``seq_len -
+    prompt_len``: the input token is the previous output, or the prompt's last), or
+    None. A pure function of the request and the position, so every loop (and a
+    retracted request's re-prefill) emits the same tokens."""
+    return _TOKEN_SCRIPT.get(rid, {}).get(seq_len - prompt_len)
+
+
 def on_apple_silicon_with_mlx() -> bool:
     """True where SGLang's own MLX gate would pass (then no gate shim is applied)."""
     if sys.platform != "darwin" or platform.machine() != "arm64":
@@ -251,16 +275,47 @@ def install_torch_model_free_forward(on_launch: Callable[[Any, list[int]], None]
 
 def bookkeeping_runner(worker, **kwargs: Any):
     """SGLang's ``MlxModelRunnerStub`` for ``worker``: the real ``ReqToTokenPool`` and
-    ``TokenToKVPoolAllocator`` over a zero-byte KV cache, no weights loaded; its pool
-    holds ``max_total_tokens`` slots (``BASE_SERVER_ARGS``)."""
+    KV allocator over a zero-byte KV cache, no weights loaded; its pool holds
+    ``max_total_tokens`` slots (``BASE_SERVER_ARGS``), rounded down to whole pages.
+
+    With ``page_size > 1`` the allocator is the paged one SGLang's model runner builds
+    for that page size (:func:`use_paged_allocator`): the stub, written for the MLX
+    backend, always builds the token-level one, which the scheduler's paged path
+    cannot use ("alloc_extend is only for paged allocator" at the first prefill).
+    """
     from sglang.srt.hardware_backend.mlx.model_runner_stub import MlxModelRunnerStub
     from sglang.srt.runtime_context import get_schedule
 
-    return MlxModelRunnerStub(
+    page_size = int(get_schedule().page_size or 1)
+    # As the model runner's pool configurator: whole pages only.
+    pool_size = get_schedule().max_total_tokens // page_size * page_size
+    runner = MlxModelRunnerStub(
         model_config=worker.model_config,
         mem_fraction_static=get_schedule().mem_fraction_static,
         gpu_id=worker.gpu_id, nccl_port=worker.nccl_port, server_args=worker.server_args,
-        mlx_pool_size=get_schedule().max_total_tokens, **kwargs)
+        mlx_pool_size=pool_size, **kwargs)
+    if page_size > 1:
+        use_paged_allocator(runner, page_size)
+    return runner
+
+
+def use_paged_allocator(runner, page_size: int) -> None:
+    """Give ``runner`` the allocator ``KVCacheConfigurator`` builds for a plain
+    full-attention model with ``page_size > 1``: the platform's paged allocator class,
+    else ``PagedTokenToKVPoolAllocator`` (native kernels where Triton cannot launch),
+    over the runner's KV cache, whose page size it takes."""
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from sglang.srt.platforms import current_platform
+
+    try:
+        allocator_class = current_platform.get_paged_allocator_cls()
+    except NotImplementedError:  # <= 0.5.21: only out-of-tree platforms name one
+        allocator_class = None
+    kv_cache = runner.token_to_kv_pool
+    kv_cache.page_size = page_size
+    runner.token_to_kv_pool_allocator = (allocator_class or PagedTokenToKVPoolAllocator)(
+        runner.max_total_num_tokens, page_size=page_size, dtype=runner.kv_cache_dtype,
+        device="cpu", kvcache=kv_cache, need_sort=False)
 
 
 def model_free_tokens(batch) -> list[int]:
@@ -280,7 +335,13 @@ def model_free_tokens(batch) -> list[int]:
         # A mixed batch appends one relayed id per running request after the
         # prefill segments (``resolve_forward_inputs``).
         last_ids += input_ids[offset:]
-    return [next_token(t, n) for t, n in zip(last_ids, seq_lens)]
+    return [_scripted_or(next_token(t, n), req, n)
+            for req, t, n in zip(batch.reqs, last_ids, seq_lens)]
+
+
+def _scripted_or(token: int, req, seq_len: int) -> int:
+    scripted = scripted_token(req.rid, seq_len, len(req.origin_input_ids))
+    return token if scripted is None else scripted
 
 
 def model_free_result(tokens: list[int]):
@@ -303,8 +364,9 @@ class _ModelFreeCache:
     graph is *built*, not when it is evaluated.
     """
 
-    def __init__(self, offset: int) -> None:
+    def __init__(self, offset: int, prompt_len: int) -> None:
         self.offset = offset
+        self.prompt_len = prompt_len  # where the request's output starts (the script)
 
 
 class ModelFreeMlxRunner:
@@ -367,12 +429,22 @@ class ModelFreeMlxRunner:
         self._req_pool_idx.pop(req_id, None)
 
     @staticmethod
-    def _lazy_next(last_tokens, seq_lens: list[int]):
+    def _lazy_next(last_tokens, seq_lens: list[int], rids: list[str],
+                   prompt_lens: list[int]):
+        """:func:`next_token` as a lazy graph over ``last_tokens`` (which may be the
+        previous step's still-lazy tokens), with the scripted tokens selected in it."""
         import mlx.core as mx
 
         span = VOCAB_SIZE - FIRST_ORDINARY_TOKEN
         lens = mx.array(seq_lens, dtype=mx.int32)
-        return FIRST_ORDINARY_TOKEN + (last_tokens * 31 + lens * 17 + 7) % span
+        tokens = FIRST_ORDINARY_TOKEN + (last_tokens * 31 + lens * 17 + 7) % span
+        scripted = [scripted_token(rid, n, p)
+                    for rid, n, p in zip(rids, seq_lens, prompt_lens)]
+        if all(t is None for t in scripted):
+            return tokens
+        return mx.where(mx.array([t is not None for t in scripted]),
+                        mx.array([0 if t is None else t for t in scripted], dtype=mx.int32),
+                        tokens)
 
     def prefill_start(self, req_id, new_token_ids, full_token_ids, prefix_slot_ids,
                       new_slot_ids, req_pool_idx, req=None, needs_logits=True,
@@ -381,9 +453,13 @@ class ModelFreeMlxRunner:
         from sglang.srt.hardware_backend.mlx.model_runner import MlxPendingPrefill
 
         full = list(full_token_ids)
-        token = self._lazy_next(mx.array([full[-1]], dtype=mx.int32), [len(full)])[0]
+        # The scheduler's request: where its output starts (a retracted request's
+        # re-prefill carries its earlier output in ``full``).
+        prompt_len = len(req.origin_input_ids) if req is not None else len(full)
+        token = self._lazy_next(mx.array([full[-1]], dtype=mx.int32), [len(full)],
+                                [req_id], [prompt_len])[0]
         return MlxPendingPrefill(
-            lazy_token=token, cache=[_ModelFreeCache(len(full))], req_id=req_id,
+            lazy_token=token, cache=[_ModelFreeCache(len(full), prompt_len)], req_id=req_id,
             full_token_ids=full, req_pool_idx=req_pool_idx,
             synced_offset=len(prefix_slot_ids) + len(new_slot_ids))
 
@@ -403,7 +479,7 @@ class ModelFreeMlxRunner:
         cache = self._req_caches[req_id]
         cache[0].offset += len(new_token_ids)
         token = self._lazy_next(mx.array([new_token_ids[-1]], dtype=mx.int32),
-                                [cache[0].offset])[0]
+                                [cache[0].offset], [req_id], [cache[0].prompt_len])[0]
         synced = self._req_synced_offset.get(req_id, 0)
         if not self.disable_radix_cache and new_slot_ids:
             synced += len(new_slot_ids)
@@ -425,7 +501,8 @@ class ModelFreeMlxRunner:
 
         for cache in caches:
             cache[0].offset += 1
-        tokens = self._lazy_next(last_tokens, [cache[0].offset for cache in caches])
+        tokens = self._lazy_next(last_tokens, [cache[0].offset for cache in caches],
+                                 list(req_ids), [cache[0].prompt_len for cache in caches])
         return MlxPendingDecode(lazy_tokens=tokens, req_ids=list(req_ids), caches=caches,
                                 logprob_spec=logprob_spec, edit_rows=edit_rows)
 
@@ -686,7 +763,7 @@ def install_omni_model_free_runner(on_launch: Callable[[Any, list[int]], None]) 
     ModelRunner.custom_decode_forward = model_free_forward
 
 
-def omni_request_message(rid: str, prompt: list[int], max_new_tokens: int):
+def omni_request_message(rid: str, prompt: list[int], sampling: dict[str, Any]):
     """A ``new_request`` for the scheduler's inbox, as a pipeline stage would put it.
 
     Why: sglang-omni's ingress is ``OmniScheduler.inbox``, fed by a pipeline ``Stage``
@@ -698,7 +775,7 @@ def omni_request_message(rid: str, prompt: list[int], max_new_tokens: int):
     from sglang_omni.scheduling.message import IncomingMessage
 
     payload = StagePayload(request_id=rid, request=OmniRequest(
-        inputs=list(prompt), params={"max_new_tokens": max_new_tokens}), data=None)
+        inputs=list(prompt), params=dict(sampling)), data=None)
     return IncomingMessage(request_id=rid, type="new_request", data=payload)
 
 
@@ -717,7 +794,7 @@ def omni_request_builder(payload):
 
     prompt = list(payload.request.inputs)
     max_new_tokens = int(payload.request.params["max_new_tokens"])
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    params = SamplingParams(**payload.request.params)
     params.normalize(None)
     params.verify(VOCAB_SIZE)
     req = Req(rid=payload.request_id, origin_input_text="", origin_input_ids=prompt,

@@ -32,7 +32,6 @@ Optional request fields, for what bug reports say (defaults in brackets):
     ignore_eos = true              # SamplingParams.ignore_eos [false]: no stop on EOS or
                                    # stop_token_ids; the scheduler then also reserves the
                                    # full max_new_tokens when admitting the request
-    min_new_tokens = 2             # SamplingParams.min_new_tokens [0]
     abort_at = 6                   # at this step SGLang's own AbortReq for the request
                                    # goes through the same ingress as requests [none]; sent
                                    # once the request itself has been fed
@@ -44,7 +43,9 @@ request is a function of the request and *k* only, so every loop emits the same 
 It has no meaning for ``--runner real`` (a real model), which refuses it. SGLang matches
 an abort by request-id *prefix*, so a request with ``abort_at`` must not have an id that
 begins another request's id. A scripted abort is an expected outcome (as if listed under
-``[expect] aborted``). ``page_size`` is a ServerArgs override like any other: the torch
+``[expect] aborted``). SGLang refuses ``min_new_tokens`` without a tokenizer
+(``skip_tokenizer_init``, which model-free runs need), so the format has none.
+``page_size`` is a ServerArgs override like any other: the torch
 loops build the paged KV allocator SGLang's model runner builds for it.
 
     [expect]                       # optional: outcomes the workload means to produce
@@ -75,8 +76,7 @@ FIRST_ORDINARY_TOKEN = 10
 
 EXPECT_KEYS = {"aborted", "vacuous"}
 REQUEST_KEYS = {"rid", "prompt", "prompt_range", "max_new_tokens", "arrival", "turn_of",
-                "stop_token_ids", "emit", "ignore_eos", "min_new_tokens", "abort_at",
-                "priority"}
+                "stop_token_ids", "emit", "ignore_eos", "abort_at", "priority"}
 # The ServerArgs switches under which SGLang reads a request's priority (without either
 # it ignores the priority).
 PRIORITY_SWITCHES = ("enable_priority_scheduling", "abort_on_priority_when_disabled")
@@ -103,7 +103,6 @@ class RequestSpec:
     # (output position, token) pairs the model-free forward emits, by position.
     emit: tuple[tuple[int, int], ...] = ()
     ignore_eos: bool = False
-    min_new_tokens: int = 0
     abort_at: int | None = None  # step at which SGLang's AbortReq for it is sent
     priority: int | None = None
 
@@ -111,7 +110,7 @@ class RequestSpec:
         """The ``SamplingParams`` keyword arguments this request sets (greedy)."""
         return {"max_new_tokens": self.max_new_tokens, "temperature": 0.0,
                 "stop_token_ids": list(self.stop_token_ids) or None,
-                "ignore_eos": self.ignore_eos, "min_new_tokens": self.min_new_tokens}
+                "ignore_eos": self.ignore_eos}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,10 +210,6 @@ class Workload:
         if not isinstance(spec.ignore_eos, bool):
             raise WorkloadError(f"{where}: ignore_eos must be true or false, got "
                                 f"{spec.ignore_eos!r}")
-        _require_int(spec.min_new_tokens, "min_new_tokens", where, minimum=0)
-        if spec.min_new_tokens > spec.max_new_tokens:
-            raise WorkloadError(f"{where}: min_new_tokens ({spec.min_new_tokens}) exceeds "
-                                f"max_new_tokens ({spec.max_new_tokens})")
         if spec.abort_at is not None:
             _require_int(spec.abort_at, "abort_at", where, minimum=spec.arrival)
             prefixed = [r for r in rids if r != spec.rid and r.startswith(spec.rid)]
@@ -293,7 +288,6 @@ def _request_from_dict(raw: dict[str, Any]) -> RequestSpec:
         stop_token_ids=_int_list(raw.get("stop_token_ids", ()), "stop_token_ids", rid),
         emit=_emit_pairs(raw.get("emit", ()), rid),
         ignore_eos=raw.get("ignore_eos", False),
-        min_new_tokens=raw.get("min_new_tokens", 0),
         abort_at=raw.get("abort_at"),
         priority=raw.get("priority"),
     )
