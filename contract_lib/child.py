@@ -214,8 +214,9 @@ def _refuse_on_omni(workload: Workload) -> None:
     fields = [f for f in ("abort_at", "priority")
               if any(getattr(r, f) is not None for r in workload.requests)]
     if fields:
-        raise Unsupported(f"loop omni: the workload's {' and '.join(fields)} are not "
-                          "scripted through sglang-omni's inbox ingress")
+        raise Unsupported(f"loop omni does not take {' or '.join(fields)}: aborts and "
+                          "priorities are not scripted through sglang-omni's inbox "
+                          "ingress; run this workload on normal, overlap or mlx")
 
 
 def _check_page_size(scheduler, loop: str) -> None:

@@ -779,13 +779,15 @@ def omni_request_message(rid: str, prompt: list[int], sampling: dict[str, Any]):
     return IncomingMessage(request_id=rid, type="new_request", data=payload)
 
 
-def omni_request_builder(payload):
+def omni_request_builder(payload, eos_token_ids=None):
     """The request builder: a greedy SGLang ``Req`` over the payload's token ids.
 
     Why: every sglang-omni model ships its own builder (tokenizer, chat template,
     multimodal inputs); this is the plain-LM one, written as sglang-omni's own builders
     write theirs (``models/nemotron_voicechat/request_builders.ar_request``), with the
-    sampling parameters the torch loops' scripted requests carry.
+    sampling parameters the torch loops' scripted requests carry and the model's EOS
+    ids (``eos_token_ids``, bound by :func:`contract_lib.omni.build_scheduler`), which
+    SGLang's scheduler gives every request it builds.
     """
     import torch
     from sglang.srt.managers.schedule_batch import Req
@@ -798,7 +800,7 @@ def omni_request_builder(payload):
     params.normalize(None)
     params.verify(VOCAB_SIZE)
     req = Req(rid=payload.request_id, origin_input_text="", origin_input_ids=prompt,
-              sampling_params=params, vocab_size=VOCAB_SIZE)
+              sampling_params=params, vocab_size=VOCAB_SIZE, eos_token_ids=eos_token_ids)
     return SGLangARRequestData(req=req, input_ids=torch.tensor(prompt, dtype=torch.long),
                                stage_payload=payload, max_new_tokens=max_new_tokens,
                                temperature=0.0)
