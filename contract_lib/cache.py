@@ -41,6 +41,7 @@ from typing import Any
 from contract_lib.atomic import temporary_name_pattern
 from contract_lib.frames import (SCHEMA_VERSION, Frames, FramesFormatError, read_payload,
                                  write_payload)
+from contract_lib.patches import PatchSpec
 from contract_lib.paths import MODEL_DIR, PACKAGE_DIR, PROJECT_ROOT
 
 # In the key: the whole package's source (a new module cannot be forgotten; an edit to the
@@ -119,7 +120,7 @@ def _library_fingerprint() -> str:
 def _patch_sources(patch: str | None) -> list[Any]:
     """The source of every user patch module named in the spec (built-ins are library)."""
     sources = []
-    for part in (patch or "").split("+"):
+    for part in PatchSpec(patch or "").parts:
         module = part.partition(":")[0] if ":" in part else None
         if module is None:
             continue

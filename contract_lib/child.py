@@ -115,11 +115,10 @@ def _build(spec: dict[str, Any], loop_spec: loops.LoopSpec, emit,
     """Shims, patch, a real Scheduler and the capture hooks (wall times into ``timing``).
     Returns the scheduler, the frame recorder and the KV pool recorder (real runner)."""
     started = time.perf_counter()
-    loop = spec["loop"]
     runner = spec.get("runner", "model-free")
     if loop_spec.mlx:
         os.environ["SGLANG_USE_MLX"] = "1"
-    from contract_lib import shims
+    from contract_lib import compat, shims
 
     applied = shims.install_import_shims()
     _check_sglang_release(spec)
@@ -128,7 +127,7 @@ def _build(spec: dict[str, Any], loop_spec: loops.LoopSpec, emit,
     from sglang.srt.server_args import PortArgs, ServerArgs
 
     timing["import_s"] = time.perf_counter() - started
-    applied += shims.install_release_compat()
+    applied += compat.install_release_compat()
 
     from contract_lib.capture import Recorder
     from contract_lib.patches import apply_patch
@@ -189,7 +188,7 @@ def _build(spec: dict[str, Any], loop_spec: loops.LoopSpec, emit,
         timing["build_s"] = time.perf_counter() - built
         scheduler.request_receiver = shims.ScriptedReceiver()
         applied.append("scripted-ingress")
-    _check_page_size(scheduler, loop)
+    _check_page_size(scheduler, loop_spec.name)
     emit(("meta", {"shims": applied, "expect": workload.expected_outcomes(),
                    "enable_overlap": bool(scheduler.enable_overlap),
                    "enable_overlap_mlx": bool(scheduler.enable_overlap_mlx)}))

@@ -24,7 +24,7 @@ from contract_lib.contract import CLAUSE_SETS, CLAUSES
 from contract_lib.frames import Frames
 from contract_lib import loops
 from contract_lib.harness import RUNNERS, RunInterrupted, RunSetupError, run
-from contract_lib.patches import BUILTIN_PATCHES, PatchError
+from contract_lib.patches import BUILTIN_PATCHES, PatchError, patch_spec
 from contract_lib.report import run_summary, step_table
 from contract_lib.verdict import Outcome, setup_failed, worst
 from contract_lib.versions import (SUPPORTED_SGLANG_VERSIONS, SGLangInstallError,
@@ -104,7 +104,7 @@ def _default_out(args) -> Path:
     if args.sglang:
         name += f".sglang-{args.sglang}"
     if args.patch:
-        name += "." + _file_part("+".join(args.patch))
+        name += "." + _file_part(patch_spec(args.patch))
     return FRAMES_DIR / f"{name}.json"
 
 
@@ -188,7 +188,7 @@ def cmd_status(args) -> int:
     result = releases_status(list(dict.fromkeys(args.sglang or [None])),
                              workloads=args.workload or None,
                              loops=tuple(args.loop) if args.loop else None,
-                             patch="+".join(args.patch) if args.patch else None,
+                             patch=patch_spec(args.patch),
                              cache=not args.no_cache, warm=not args.cold,
                              runner=args.runner, clauses=args.clauses)
     print(result.text())
@@ -204,7 +204,7 @@ def cmd_audit(args) -> int:
     from contract_lib.audit import AuditRunFailed, audit
 
     try:
-        result = audit(args.workload, patch="+".join(args.patch) if args.patch else None)
+        result = audit(args.workload, patch=patch_spec(args.patch))
     except AuditRunFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.outcome
@@ -218,7 +218,7 @@ def cmd_trace(args) -> int:
     # Default: the first reference loop beside the first candidate.
     chosen = args.loop or [loops.reference_names()[0],
                            next(n for n in loops.default_names() if not loops.spec(n).reference)]
-    patch = "+".join(args.patch) if args.patch else None
+    patch = patch_spec(args.patch)
     runs = [run(args.workload, loop, patch=patch, cache=not args.no_cache,
                 warm=not args.cold) for loop in chosen]
     name = f"{Path(args.workload).stem}.{'-'.join(chosen)}"
@@ -251,7 +251,7 @@ def cmd_search(args) -> int:
                             f"{', '.join(loops.names())}")
     if args.budget < 1 or args.seeds < 1:
         raise RunSetupError("--budget and --seeds must be at least 1")
-    patch = "+".join(args.patch) if args.patch else None
+    patch = patch_spec(args.patch)
     campaigns = [Campaign(args.loop, patch, args.clause, args.budget, args.seed + k,
                           clauses=args.clauses, shrink_budget=args.shrink_budget, database=not args.no_database,
                           cache=not args.no_cache) for k in range(args.seeds)]

@@ -4,7 +4,6 @@ header stating how it was found and the violation it shows (:mod:`contract_lib.s
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 from contract_lib.workloads import WORKLOAD_DIR, Workload

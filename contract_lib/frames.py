@@ -51,7 +51,9 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+import types
+import typing
+from typing import Any, TypedDict
 
 import pandas as pd
 
@@ -99,15 +101,52 @@ WALL_CLOCK_COLUMNS: dict[str, list[str]] = {
 # (contract_lib.harness.RunInterrupted carries such frames).
 STATUSES = ("finished", "crashed", "timeout", "died", "interrupted")
 
-# The meta entries every frames file has, with their JSON types (``object``: any).
+class RequiredMeta(TypedDict):
+    """The meta entries every frames file has (checked on load)."""
+
+    workload: str
+    loop: str
+    patch: str | None  # a PatchSpec's text: patches joined with "+", in order
+    runner: str  # "model-free" or "real" (SGLang's own MlxModelRunner)
+    sglang_version: str
+    status: str  # one of STATUSES
+    error: dict[str, Any] | None  # type, message, traceback, signal, phase; None: finished
+    server_args: dict[str, Any]  # the overrides used (the workload's and the run's)
+
+
+class RunMeta(RequiredMeta, total=False):
+    """What happened to one run, beside its tables (``Frames.meta``)."""
+
+    steps: int  # step boundaries recorded
+    shims: list[str]  # the shims and release backports applied
+    expect: dict[str, Any]  # the workload's declared expected outcomes
+    loop_function: str  # the SGLang event-loop function the run entered
+    enable_overlap: bool  # the scheduler's flags after construction
+    enable_overlap_mlx: bool
+    timing: dict[str, float]  # the child's wall times (s): import, build, loop, total
+    user_modules: dict[str, str | None]  # user modules the run loaded -> sha256
+    omni_version: str  # loop omni: the sglang-omni release
+    kv_pool: dict[str, Any]  # real MLX runner: the pool's verdict inputs
+    cached: bool  # served from the frame cache
+    cache_key: str  # stored entries only
+    tables_sha256: str
+
+
+def _json_types(annotation: Any) -> tuple[type, ...]:
+    """The ``isinstance`` types of a meta annotation (``str | None`` -> (str, NoneType))."""
+    union = isinstance(annotation, types.UnionType)
+    members = typing.get_args(annotation) if union else (annotation,)
+    return tuple(typing.get_origin(a) or a for a in members)
+
+
+# The meta entries every frames file has, with their JSON types.
 META_TYPES: dict[str, tuple[type, ...]] = {
-    "workload": (str,), "loop": (str,), "patch": (str, type(None)), "runner": (str,),
-    "sglang_version": (str,), "status": (str,), "error": (dict, type(None)),
-    "server_args": (dict,),
+    name: _json_types(annotation)
+    for name, annotation in typing.get_type_hints(RequiredMeta).items()
 }
 
 
-def run_title(meta: dict[str, Any]) -> str:
+def run_title(meta: RunMeta) -> str:
     """``workload on loop[, real MlxModelRunner][, patch P] (sglang V)`` for headings."""
     parts = [f"{meta['workload']} on {meta['loop']}"]
     if meta.get("runner") == "real":
@@ -123,19 +162,11 @@ class FramesFormatError(ValueError):
 
 @dataclasses.dataclass
 class Frames:
-    """Everything one run recorded: its tables and what happened to it (``meta``).
-
-    ``meta`` holds ``workload``, ``loop``, ``patch``, ``runner`` (``model-free`` or
-    ``real``), ``sglang_version``, ``status`` (one of ``STATUSES``), ``error`` (type,
-    message, traceback, signal; None when finished), ``shims`` (the shims applied),
-    ``server_args`` (the overrides used), ``expect`` (the workload's declared expected
-    outcomes), ``loop_function`` (the SGLang event-loop function the run entered) and
-    ``enable_overlap`` / ``enable_overlap_mlx`` (the scheduler's flags after
-    construction); real-runner runs add ``kv_pool``.
-    """
+    """Everything one run recorded: its tables and what happened to it (``meta``, a
+    :class:`RunMeta`)."""
 
     tables: dict[str, pd.DataFrame]
-    meta: dict[str, Any]
+    meta: RunMeta
 
     def __getattr__(self, name: str) -> pd.DataFrame:
         tables = self.__dict__.get("tables", {})
@@ -247,10 +278,10 @@ def _meta_problem(meta: Any) -> str | None:
     """What is wrong with a loaded ``meta`` (None: nothing)."""
     if not isinstance(meta, dict):
         return f"meta is a {type(meta).__name__}, not an object"
-    for name, types in META_TYPES.items():
+    for name, wanted in META_TYPES.items():
         if name not in meta:
             return f"meta has no {name!r}"
-        if not isinstance(meta[name], types):
+        if not isinstance(meta[name], wanted):
             return f"meta {name!r} is a {type(meta[name]).__name__}"
     if meta["status"] not in STATUSES:
         return f"meta 'status' is {meta['status']!r}, not one of {', '.join(STATUSES)}"

@@ -143,12 +143,11 @@ def run(
     workload.validate(f"workload {workload.name!r}")
     model_dir = _model_dir(runner)
     workload.check_vocabulary(_vocab_size(model_dir), f"workload {workload.name!r}")
-    patches = [p for p in (patch_spec(patch), os.environ.get(EXTRA_PATCH_ENV)) if p]
     spec = {
         "workload": workload.to_dict(),
         "loop": loop,
         "loop_spec": dataclasses.asdict(loop_spec),  # the child may not have it registered
-        "patch": patch_spec("+".join(patches)) if patches else None,
+        "patch": patch_spec([patch, os.environ.get(EXTRA_PATCH_ENV)]),
         "server_args": dict(server_args or {}),
         "capture": capture,
         "audit": audit,

@@ -42,12 +42,11 @@ from __future__ import annotations
 
 import array
 import sys
-from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from contract_lib.capture import free_slot_mask
+from contract_lib.compat import radix_match_slots
 
 KIND_BY_CALLER = {
     "prefill_start": "prefill",
@@ -217,17 +216,13 @@ class KvPoolRecorder:
                                         "model": weights_digest(self.model_dir)}}))
 
     def _radix_slots(self, tokens: list[int]) -> list[int]:
-        """The pool slots the radix tree holds for the longest cached prefix of ``tokens``
-        (0.5.21/0.5.22: ``MatchResult.device_indices``; 0.5.23: read off the path)."""
+        """The pool slots the radix tree holds for the longest cached prefix of ``tokens``."""
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
         tree = self.s.tree_cache
         match = tree.match_prefix(MatchPrefixParams(key=RadixKey(array.array("q", tokens))))
-        if hasattr(match, "device_indices"):
-            return [int(s) for s in match.device_indices.tolist()]
-        path = tree.path_device_indices(match.last_device_node)
-        return [int(s) for s in path[: match.device_prefix_len].tolist()]
+        return radix_match_slots(tree, match)
 
 
 def summary_table(frames) -> pd.DataFrame:

@@ -9,30 +9,24 @@ the ``Scheduler`` is built. It is named one of three ways:
 - a callable defined at the top level of an importable module (not in ``__main__`` or a
   notebook cell: the child is a fresh process and imports it by name).
 
-Most built-ins are *source patches* (:func:`patch_source`): they take the installed
-function's source, replace exact snippets and recompile it in its own module, so each
-patch reads like a diff against SGLang and fails loudly when the code it expects has
-moved (an unsupported release).
+Most built-ins are *source patches* (:func:`~contract_lib.source_patch.patch_source`):
+each reads like a diff against SGLang and fails loudly when the code it expects has moved
+(an unsupported release). Several patches travel as one :class:`PatchSpec`.
 """
 
 from __future__ import annotations
 
-import __future__
 import dataclasses
 import importlib
 import importlib.util
-import inspect
-import re
-import textwrap
 import tomllib
-from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from contract_lib.paths import BUG_CATALOG
+from contract_lib.source_patch import PatchError, patch_source
 
-
-class PatchError(ValueError):
-    """An unknown patch, or a source patch whose anchor is not in the installed code."""
+__all__ = ["BUILTIN_PATCHES", "Patch", "PatchArg", "PatchError", "PatchSpec", "apply_patch",
+           "bug_catalog", "patch_source", "patch_spec", "resolve_patch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,64 +37,6 @@ class Patch:
     summary: str
     apply: Callable[[], None]
     bug: str
-
-
-def patch_source(owner: object, name: str, replacements: list[tuple[str, str]],
-                 label: str) -> None:
-    """Replace exact snippets in the source of ``owner.name`` and install the result.
-
-    Each ``(old, new)`` pair is a snippet of whole lines written without its indentation;
-    ``old`` must occur exactly once. The new function is compiled with the original's
-    module globals, its decorators re-applied from the source.
-    """
-    original = inspect.getattr_static(owner, name)
-    function = inspect.unwrap(original)
-    try:
-        source = textwrap.dedent(inspect.getsource(function))
-    except OSError as exc:
-        raise PatchError(f"patch {label!r}: no source for {owner.__name__}.{name}: it was "
-                         "already patched in this run (each patch applies once)") from exc
-    for old, new in replacements:
-        source = _replace_once(source, old, new, label, function.__qualname__)
-    if "super()" in source:
-        raise PatchError(f"patch {label!r}: cannot recompile {name} (uses super())")
-    module = inspect.getmodule(function)
-    flags = 0
-    if getattr(module, "annotations", None) is __future__.annotations:
-        flags |= __future__.annotations.compiler_flag
-    code = compile(source, f"<patch {label}: {function.__code__.co_filename}>", "exec",
-                   flags=flags, dont_inherit=True)
-    # The module's own globals (not a copy), so later rebinding of a module name, e.g. a
-    # capture hook, is seen by the patched function exactly as by the original.
-    defined: dict[str, object] = {}
-    exec(code, module.__dict__, defined)  # noqa: S102 - a reviewed patch of SGLang code
-    setattr(owner, name, defined[name])
-
-
-def _replace_once(source: str, old: str, new: str, label: str, where: str) -> str:
-    """Replace the one occurrence of ``old`` in ``source``. A snippet of whole lines
-    (ending in a newline) is written without its indentation and matched at whatever
-    indentation it sits, ``new`` taking the same; any other snippet matches verbatim."""
-    if old.endswith("\n"):
-        common = min(len(line) - len(line.lstrip(" "))
-                     for line in old.splitlines() if line.strip())
-        old, new = (
-            "".join(line[common:] for line in text.splitlines(keepends=True))
-            for text in (old, new))
-        hits = []
-        for width in range(0, 41, 4):
-            candidate = textwrap.indent(old, " " * width)
-            for match in re.finditer("(?m)^" + re.escape(candidate), source):
-                hits.append((match.start(), match.end(), textwrap.indent(new, " " * width)))
-    else:
-        hits = [(m.start(), m.end(), new) for m in re.finditer(re.escape(old), source)]
-    if len(hits) != 1:
-        raise PatchError(
-            f"patch {label!r}: expected one occurrence of {old.strip()[:60]!r} in {where}, "
-            f"found {len(hits)}; the installed SGLang differs from the release this patch "
-            "was written for")
-    start, end, replacement = hits[0]
-    return source[:start] + replacement + source[end:]
 
 
 # -- built-in patches ------------------------------------------------------------------------
@@ -347,6 +283,24 @@ BUILTIN_PATCHES: dict[str, Patch] = {
 }
 
 
+class PatchSpec(str):
+    """Validated patches for one run, applied left to right (from :func:`patch_spec`).
+
+    Its text joins them with ``+``: the form stored in run specs, frames and cache keys
+    (it is a ``str``, so it travels as one). Code reads :attr:`parts`, never splits.
+    """
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return tuple(p for p in self.split("+") if p)
+
+    @classmethod
+    def of(cls, parts: Iterable[str]) -> PatchSpec | None:
+        """The spec of ``parts`` in order, each once (None: no patch)."""
+        unique = dict.fromkeys(p for p in parts if p)
+        return cls("+".join(unique)) if unique else None
+
+
 PatchArg = str | Callable[[], None] | list | tuple | None
 
 
@@ -359,17 +313,17 @@ def bug_catalog() -> list[dict]:
         return tomllib.load(handle)["bug"]
 
 
-def patch_spec(patch: PatchArg) -> str | None:
-    """Validate a patch argument and return its string form.
+def patch_spec(patch: PatchArg) -> PatchSpec | None:
+    """Validate a patch argument and return its :class:`PatchSpec`.
 
     Several patches combine with ``+`` (``"fix-chained-accounting+fix-idle-predicate"``)
-    or as a list; they are applied left to right.
+    or as a list (None entries are skipped); they are applied left to right, each once.
     """
     if patch is None:
         return None
     if isinstance(patch, (list, tuple)):
-        parts = [patch_spec(p) for p in patch]
-        return "+".join(p for p in parts if p) or None
+        specs = [patch_spec(p) for p in patch]
+        return PatchSpec.of(part for spec in specs if spec for part in spec.parts)
     if callable(patch):
         module, qualname = patch.__module__, patch.__qualname__
         if module == "__main__" or "<" in qualname:
@@ -377,9 +331,9 @@ def patch_spec(patch: PatchArg) -> str | None:
                 f"patch {qualname!r} is defined in {module!r}; the child process cannot "
                 "import it. Put it at the top level of a .py module and pass "
                 "'module:function'")
-        return f"{module}:{qualname}"
-    parts = list(dict.fromkeys(p for p in patch.split("+") if p))  # each applies once
-    for part in parts:
+        return PatchSpec(f"{module}:{qualname}")
+    spec = PatchSpec.of(PatchSpec(patch).parts)
+    for part in spec.parts if spec else ():
         if part not in BUILTIN_PATCHES and ":" not in part:
             raise PatchError(
                 f"unknown patch {part!r}; built-in patches: {', '.join(BUILTIN_PATCHES)} "
@@ -388,7 +342,7 @@ def patch_spec(patch: PatchArg) -> str | None:
             raise PatchError(
                 f"patch {part!r}: no module {part.partition(':')[0]!r} on this Python path "
                 "(the run's child process imports it by name)")
-    return "+".join(parts) or None
+    return spec
 
 
 def _module_missing(name: str) -> bool:
@@ -415,7 +369,6 @@ def resolve_patch(spec: str) -> Callable[[], None]:
 
 
 def apply_patch(spec: str | None) -> None:
-    """Apply a patch spec inside the child, each ``+``-separated part in order."""
-    for part in (spec or "").split("+"):
-        if part:
-            resolve_patch(part)()
+    """Apply a patch spec (its text) inside the child, each part in order."""
+    for part in PatchSpec(spec or "").parts:
+        resolve_patch(part)()

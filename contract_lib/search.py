@@ -34,7 +34,7 @@ from contract_lib import loops
 from contract_lib.contract import check, sglang_finding, violation_message
 from contract_lib.frames import Frames
 from contract_lib.harness import run
-from contract_lib.patches import patch_spec
+from contract_lib.patches import PatchSpec, patch_spec
 from contract_lib.verdict import loop_mismatch, setup_failed
 from contract_lib.workloads import Workload
 # The minimal workload's file: re-exported here, where campaigns are run.
@@ -104,7 +104,7 @@ class Campaign:
 
     def command(self) -> str:
         words = ["python -m contract_lib search", f"--loop {self.loop}"]
-        words += [f"--patch {p}" for p in (self.patch or "").split("+") if p]
+        words += [f"--patch {p}" for p in PatchSpec(self.patch or "").parts]
         if self.clause:
             words.append(f"--clause {self.clause}")
         return " ".join(words + [f"--budget {self.budget}", f"--seed {self.seed}"])

@@ -22,12 +22,9 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-# Field names, call sites and the MLX worker API the capture hooks and shims rely on were
-# read from these releases' code (see docs/contract.md for the anchors). 0.5.21 needs two
-# compatibility shims (``shims.install_release_compat``); 0.5.22 and 0.5.23 need none.
-SUPPORTED_SGLANG_VERSIONS = ("0.5.21", "0.5.22", "0.5.23")
-
+from contract_lib.compat import SUPPORTED_SGLANG_VERSIONS
 from contract_lib.paths import PROJECT_ROOT
+
 RELEASES_DIR_ENV = "CONTRACT_LIB_SGLANG_DIR"
 PIP_TIMEOUT_S = 900
 

@@ -74,7 +74,7 @@ print("0.5.21 needs:", ", ".join(s for s in old.meta["shims"] if "backport" in s
 # lacks the `logical_max_total_num_tokens` override that 0.5.22 added, so
 # `alloc_memory_pool` reads a `kv_cache_configurator` the stub never sets
 # (`AttributeError`, an upstream startup bug of 0.5.21's stub). The harness backports
-# that one property (`shims.install_release_compat`); the sync code under test is
+# that one property (`compat.install_release_compat`); the sync code under test is
 # 0.5.21's as shipped.
 #
 # ## The slot picture

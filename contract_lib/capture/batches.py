@@ -1,0 +1,43 @@
+"""Reading SGLang's batches and allocator: small pure helpers the recorders share."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def mode_name(batch) -> str | None:
+    if batch is None or batch.is_empty():
+        return None
+    return batch.forward_mode.name.lower()
+
+
+def tolist(tensor) -> list:
+    return [] if tensor is None else tensor.tolist()
+
+
+def prefill_lanes(batch) -> list[int]:
+    """Indices into ``batch.reqs`` of its prefill/extend lanes: every request of an
+    extend or mixed batch except its decode lanes (``decoding_reqs``); none of a decode
+    batch."""
+    if batch is None or batch.is_empty() or not batch.forward_mode.is_extend():
+        return []
+    decoding = {id(req) for req in (batch.decoding_reqs or ())}
+    return [i for i, req in enumerate(batch.reqs) if id(req) not in decoding]
+
+
+def prefilled_tokens(batch) -> int:
+    """Tokens a launch prefills (clause 6): its prefill lanes' ``extend_lens``; a decode
+    lane of a mixed batch, a decode or a chained launch (``batch`` None) prefill none."""
+    lanes = prefill_lanes(batch)
+    return int(sum(batch.extend_lens[i] for i in lanes))
+
+
+def free_slot_mask(allocator) -> np.ndarray:
+    """A mask over slot ids: True where the allocator holds the slot as free (its free
+    pages, released or staged ones included, as SGLang's own census
+    ``get_all_free_pages`` lists them; a page is ``page_size`` slots, page 0 reserved)."""
+    page = allocator.page_size
+    pages = allocator.get_all_free_pages().numpy()
+    mask = np.zeros((allocator.size // page + 1) * page, dtype=bool)
+    mask[(pages[:, None] * page + np.arange(page)).reshape(-1)] = True
+    return mask

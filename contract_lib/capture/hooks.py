@@ -1,0 +1,187 @@
+"""Where the recorder hooks SGLang: each hook wraps one call site, records, and calls the
+original (the list is in :mod:`contract_lib.capture`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from contract_lib.capture.backend_state import BackendStateRecorder
+
+
+class HookInstaller:
+    """The installation part of :class:`~contract_lib.capture.recorder.Recorder` (its state
+    is set in ``Recorder.__init__``)."""
+
+    def install(self) -> None:
+        s = self.s
+        boundary = "recv_requests" if self.omni else "ingest_requests"
+        real_ingest = getattr(s, boundary)
+        real_add = s._add_request_to_queue
+        real_process = s.process_batch_result
+
+        def ingest_requests(*args, **kwargs):
+            self.on_step_boundary()
+            return real_ingest(*args, **kwargs)
+
+        def add_request_to_queue(req, *args, **kwargs):
+            self.reqs.setdefault(req.rid, req)
+            return real_add(req, *args, **kwargs)
+
+        def process_batch_result(batch, result, *args, **kwargs):
+            self.on_processed(batch, result)
+            return real_process(batch, result, *args, **kwargs)
+
+        setattr(s, boundary, ingest_requests)
+        self._install_abort_output_hook()
+        if self.omni:
+            real_build = s.request_builder
+
+            def request_builder(payload):
+                data = real_build(payload)
+                self.reqs.setdefault(data.req.rid, data.req)
+                return data
+
+            s.request_builder = request_builder
+        else:
+            s._add_request_to_queue = add_request_to_queue
+        if not self.capture:
+            return  # feed and stop only: the baseline for the capture overhead
+        s.process_batch_result = process_batch_result
+        self._install_row_write_hook()
+        if self.omni:
+            self._install_omni_resolve_hook()
+        self._install_relay_hooks()
+        if self.effects is not None:
+            self.effects.install(s)
+        if self.mlx:
+            self._install_mlx_launch_hooks()
+        self.backend = BackendStateRecorder(self.s)
+
+    def _install_abort_output_hook(self) -> None:
+        """Record every ``AbortReq`` SGLang sends back for a request (each caller ends
+        the request); a request aborted while queued has no other trace of its end."""
+        from sglang.srt.managers.io_struct import AbortReq
+
+        sender = self.s.ipc_channels.send_to_tokenizer
+        real_send = sender.send_output
+
+        def send_output(output, *args, **kwargs):
+            if isinstance(output, AbortReq) and output.rid:
+                self.abort_outputs.setdefault(
+                    output.rid, dict(output.finished_reason or {"type": "abort"}))
+            return real_send(output, *args, **kwargs)
+
+        sender.send_output = send_output
+
+    def _install_omni_resolve_hook(self) -> None:
+        """Pair each lookahead launch with its resolve (``resolve_and_process``), in
+        launch order: a launch whose requests all finished in an earlier step (the
+        lookahead overrun) is resolved and dropped without ``process_batch_result``, so
+        pairing processed batches with launches by order alone would shift by one."""
+        real_resolve = self.s.resolve_and_process
+
+        def resolve_and_process(*args, **kwargs):
+            self.resolving = self.unprocessed.popleft() if self.unprocessed else None
+            try:
+                return real_resolve(*args, **kwargs)
+            finally:
+                self.resolving = None
+
+        self.s.resolve_and_process = resolve_and_process
+
+    def _install_relay_hooks(self) -> None:
+        from sglang.srt.managers import overlap_utils, scheduler as scheduler_module
+
+        future_map = self.s.future_map
+        future_map.output_tokens_buf.fill_(-1)  # poison: an unwritten row reads -1
+        real_resolve = overlap_utils.resolve_forward_inputs
+
+        def resolve_forward_inputs(batch, fmap):
+            self.on_relay_read(batch, fmap)
+            return real_resolve(batch, fmap)
+
+        scheduler_module.resolve_forward_inputs = resolve_forward_inputs
+        if self.omni:  # its execution bridge imports it at every forward
+            overlap_utils.resolve_forward_inputs = resolve_forward_inputs
+        if self.mlx:
+            from sglang.srt.hardware_backend.mlx import scheduler_mixin
+
+            scheduler_mixin.resolve_forward_inputs = resolve_forward_inputs
+
+        real_stash = future_map.stash
+        real_stash_bonus = future_map.stash_bonus_tokens
+
+        def stash(indices, payload, *args, **kwargs):
+            out = real_stash(indices, payload, *args, **kwargs)
+            self.on_relay_write(indices, payload.bonus_tokens, "stash")
+            return out
+
+        def stash_bonus_tokens(indices, bonus_tokens, *args, **kwargs):
+            out = real_stash_bonus(indices, bonus_tokens, *args, **kwargs)
+            self.on_relay_write(indices, bonus_tokens, "stash_bonus_tokens")
+            return out
+
+        future_map.stash = stash
+        future_map.stash_bonus_tokens = stash_bonus_tokens
+
+    def _install_row_write_hook(self) -> None:
+        """Wrap ``write`` on the class that defines it (not the instance), before the
+        effects recorder wraps the same class: its hook then still sees SGLang's caller."""
+        pool = self.s.req_to_token_pool
+        self.written_by = np.full(tuple(pool.req_to_token.shape), -1, dtype=np.int32)
+        owner = next(c for c in type(pool).__mro__ if "write" in vars(c))
+        real_write = owner.write
+        recorder = self
+
+        def write(obj, indices, values, *args, **kwargs):
+            out = real_write(obj, indices, values, *args, **kwargs)
+            if obj is pool:
+                recorder.on_row_write(indices)
+            return out
+
+        owner.write = write
+
+    def on_row_write(self, indices) -> None:
+        """Attribute the entries ``req_to_token[indices]`` just written to the request
+        holding each row (by index, whatever form ``indices`` takes)."""
+        import torch
+
+        marker = torch.zeros(self.written_by.shape, dtype=torch.bool)
+        marker[indices] = True
+        rows, positions = (t.numpy() for t in marker.nonzero(as_tuple=True))
+        holders = {row: self._row_holder(int(row)) for row in set(rows.tolist())}
+        self.written_by[rows, positions] = [holders[row] for row in rows.tolist()]
+
+    def _row_holder(self, row: int) -> int:
+        """Registry index of the request whose ``req_pool_idx`` is ``row`` (-1: none)."""
+        for index, req in enumerate(self.reqs.values()):
+            if req.kv.req_pool_idx == row:
+                return index
+        return -1
+
+    def _install_mlx_launch_hooks(self) -> None:
+        worker = self.s.tp_worker
+        real_fresh = worker.async_forward_batch_generation_mlx
+        real_chained = worker.async_chained_decode_mlx
+        real_finalize = worker.finalize_mlx_result
+
+        def async_forward_batch_generation_mlx(batch):
+            launch = real_fresh(batch)
+            self.on_mlx_launch(launch, batch, chained=False)
+            return launch
+
+        def async_chained_decode_mlx(prev_pending):
+            launch = real_chained(prev_pending)
+            self.on_mlx_launch(launch, None, chained=True)
+            return launch
+
+        def finalize_mlx_result(launch, reqs):
+            result = real_finalize(launch, reqs)
+            if result.next_token_ids is not None:
+                for req, token in zip(reqs, result.next_token_ids.tolist()):
+                    self.latest_token[req.rid] = token
+            return result
+
+        worker.async_forward_batch_generation_mlx = async_forward_batch_generation_mlx
+        worker.async_chained_decode_mlx = async_chained_decode_mlx
+        worker.finalize_mlx_result = finalize_mlx_result

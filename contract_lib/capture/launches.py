@@ -1,0 +1,111 @@
+"""Launch and relay records: one ``launches`` row per forward launch, completed when its
+result is processed, and the FutureMap's relay reads and writes."""
+
+from __future__ import annotations
+
+from contract_lib.capture.batches import mode_name, prefill_lanes, prefilled_tokens, tolist
+
+
+class LaunchRecording:
+    """The launch and relay part of :class:`~contract_lib.capture.recorder.Recorder` (its
+    state is set in ``Recorder.__init__``)."""
+
+    def _record_launch(self, *, forward_iter, launch_ts, mode, chained, rids,
+                       prefilled_tokens: int = 0) -> None:
+        self.launch_ct += 1
+        self.unprocessed.append(self.launch_ct)
+        self.emit(("row", "launches", {
+            "launch": self.launch_ct, "step": self.step, "loop": self.loop,
+            "forward_ct": self.s.forward_ct, "forward_iter": forward_iter,
+            "launch_ts": launch_ts, "mode": mode, "chained": chained,
+            "rids": ",".join(rids), "processed_step": None,
+            "processed_forward_iter": None, "processed_launch_ts": None,
+            "prefilled_tokens": prefilled_tokens,
+        }))
+
+    def on_torch_launch(self, batch, tokens: list[int]) -> None:
+        """Called by the torch model-free forward with the batch and the tokens it made."""
+        if not self.capture:
+            return
+        rids = [req.rid for req in batch.reqs]
+        for rid, seq_len, token in zip(rids, batch.seq_lens.tolist(), tokens):
+            self.kv_computed[rid] = int(seq_len)
+            self.latest_token[rid] = int(token)
+        for lane in prefill_lanes(batch):
+            self.kv_prefilled[rids[lane]] = self.kv_computed[rids[lane]]
+        self._record_launch(forward_iter=batch.forward_iter, launch_ts=batch.launch_ts,
+                            mode=mode_name(batch), chained=False, rids=rids,
+                            prefilled_tokens=prefilled_tokens(batch))
+
+    def on_mlx_launch(self, launch, batch, *, chained: bool) -> None:
+        rids = []
+        for pending in (*launch.prefills, *launch.extends):
+            self.kv_computed[pending.req_id] = int(pending.cache[0].offset)
+            self.kv_prefilled[pending.req_id] = self.kv_computed[pending.req_id]
+            rids.append(pending.req_id)
+        if launch.decode is not None:
+            for rid, cache in zip(launch.decode.req_ids, launch.decode.caches):
+                self.kv_computed[rid] = int(cache[0].offset)
+                rids.append(rid)
+        if batch is not None:
+            rids = [req.rid for req in batch.reqs]
+            forward_iter, launch_ts, mode = batch.forward_iter, batch.launch_ts, mode_name(batch)
+        else:
+            forward_iter, launch_ts, mode = None, None, "decode"
+        self._record_launch(forward_iter=forward_iter, launch_ts=launch_ts, mode=mode,
+                            chained=chained, rids=rids,
+                            prefilled_tokens=prefilled_tokens(batch))
+
+    def on_processed(self, batch, result) -> None:
+        if self.resolving is not None:
+            launch, self.resolving = self.resolving, None
+        elif self.unprocessed:
+            launch = self.unprocessed.popleft()
+        else:
+            return
+        self.emit(("update", "launches", "launch", launch, {
+            "processed_step": self.step,
+            "processed_forward_iter": batch.forward_iter,
+            "processed_launch_ts": batch.launch_ts,
+        }))
+
+    # -- relay ------------------------------------------------------------------------------
+
+    def _row_owner(self, row: int) -> str | None:
+        for rid, req in self.reqs.items():
+            if req.kv.req_pool_idx == row and not req.finished():
+                return rid
+        return None
+
+    def on_relay_read(self, batch, future_map) -> None:
+        if batch.prefill_input_ids_cpu is not None:
+            if batch.mix_running_indices is None:
+                return
+            rows, kind = tolist(batch.mix_running_indices), "mixed"
+            rids = [req.rid for req in batch.reqs[len(batch.reqs) - len(rows):]]
+        elif batch.input_ids is None and future_map.spec_algo.is_none():
+            rows, kind = tolist(batch.req_pool_indices), "decode"
+            rids = [req.rid for req in batch.reqs]
+        else:
+            return
+        values = future_map.output_tokens_buf[rows].tolist() if rows else []
+        for row, rid, value in zip(rows, rids, values):
+            written = self.relay_written.get(row)
+            last_value, last_rid = (written[0], written[1]) if written else (None, None)
+            published = (written is not None and last_rid == rid
+                         and last_value == self.latest_token.get(rid))
+            self.emit(("row", "relay", {
+                "event": "read", "step": self.step, "launch": self.launch_ct + 1,
+                "loop": self.loop, "kind": kind, "row": row, "rid": rid, "value": value,
+                "last_published": last_value, "published_for_rid": published,
+            }))
+
+    def on_relay_write(self, indices, tokens, kind: str) -> None:
+        for row, value in zip(tolist(indices), tolist(tokens)):
+            rid = self._row_owner(row)
+            self.relay_written[row] = (int(value), rid, self.launch_ct)
+            self.emit(("row", "relay", {
+                "event": "write", "step": self.step, "launch": self.launch_ct,
+                "loop": self.loop, "kind": kind, "row": row, "rid": rid, "value": int(value),
+                "last_published": None, "published_for_rid": None,
+            }))

@@ -1,0 +1,176 @@
+"""The recorder of one run: state, the step boundary (feed, stop), and the outputs table;
+its hooks, launch records and snapshot are the three parts it is built from."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable
+
+import numpy as np
+
+from contract_lib.capture.hooks import HookInstaller
+from contract_lib.capture.launches import LaunchRecording
+from contract_lib.capture.snapshot import StepSnapshot
+from contract_lib.loops import OMNI, LoopSpec
+from contract_lib.shims import abort_request, omni_request_message, tokenized_request
+from contract_lib.workloads import RequestSpec, Workload
+
+Emit = Callable[[tuple], None]
+
+
+class StopRun(Exception):
+    """Raised at a step boundary once the workload is done (every request finished)."""
+
+
+class OmniRequestError(RuntimeError):
+    """sglang-omni put an error for a request into its outbox (a failed batch)."""
+
+
+class StepBudgetExceeded(Exception):
+    """Raised at a step boundary past the workload's ``max_steps``."""
+
+
+
+class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
+    """Records frames of one run and streams them through ``emit`` as they are taken.
+
+    Messages are ``("row", table, row)``, ``("rows", [(table, row), ...], slots)`` (a
+    step boundary's whole frame, sent together as soon as it is taken; ``slots`` holds
+    ``(step, rid, req_pool_idx, [slot...], [free...], [written...])`` per live request) and ``("update", table,
+    key, value, fields)``; nothing is buffered, so a dying child loses nothing taken.
+    """
+
+    def __init__(self, scheduler, loop_spec: LoopSpec, workload: Workload, emit: Emit,
+                 capture: bool = True, audit: bool = False) -> None:
+        self.s = scheduler
+        self.capture = capture
+        self.effects = None
+        if audit:
+            from contract_lib.effects import EffectsRecorder
+
+            self.effects = EffectsRecorder()
+        self.loop = loop_spec.name
+        self.mlx = loop_spec.mlx  # the MLX mixin's launch hooks and relay import
+        self.omni = loop_spec.family == OMNI  # sglang-omni's ingress, resolve and queue
+        self.workload = workload
+        self.emit = emit
+        self.step = -1
+        self.reqs: dict[str, Any] = {}
+        self.fed: set[str] = set()
+        self.kv_computed: dict[str, int] = {}
+        self.latest_token: dict[str, int] = {}
+        self.launch_ct = 0
+        self.unprocessed: collections.deque[int] = collections.deque()
+        self.relay_written: dict[int, tuple[int, str | None, int | None]] = {}
+        # Per req_to_token entry: the registry index (in ``reqs`` order) of the request
+        # that held the row when the entry was last written; -1 never written.
+        self.written_by: np.ndarray | None = None
+        self._checker = None
+        self.resolving: int | None = None  # omni: the launch being resolved
+        # Per request: kv_computed at the end of its last prefill/extend lane (clause 2's
+        # decode_batch_idx counts the decode launches since).
+        self.kv_prefilled: dict[str, int] = {}
+        self.backend = None
+        # Requests SGLang ended with an ``AbortReq`` output: rid -> its finished_reason.
+        self.abort_outputs: dict[str, dict[str, Any]] = {}
+        self.aborts_sent: set[str] = set()
+    # -- step boundary ----------------------------------------------------------------------
+
+    def on_step_boundary(self) -> None:
+        self.step += 1
+        if self.effects is not None:
+            self.effects.active = False  # the capture's own reads and writes are not effects
+            self._emit_effects()
+        if self.capture:
+            self.snapshot()
+        if self.omni:
+            self._raise_omni_errors()
+        if self.done():
+            raise StopRun()
+        if self.step >= self.workload.max_steps:
+            raise StepBudgetExceeded(
+                f"workload {self.workload.name!r} did not finish within its step budget "
+                f"of {self.workload.max_steps} steps")
+        self.feed()
+        if self.effects is not None:
+            self.effects.step = self.step
+            self.effects.active = True
+
+    def _raise_omni_errors(self) -> None:
+        """Make a request error sglang-omni reported end the run (crashed).
+
+        Its loop catches a failing batch (``run_batch``, ``handle_batch_failure``),
+        aborts the batch's requests and carries on; the error only goes to the outbox
+        for the next pipeline stage. Without this, a run whose forward raised would
+        finish with aborted requests and hold every clause vacuously."""
+        for message in list(self.s.outbox.queue):
+            if message.type == "error":
+                error = message.data
+                raise OmniRequestError(
+                    f"sglang-omni reported an error for request {message.request_id!r}: "
+                    f"{type(error).__name__}: {error}") from (
+                        error if isinstance(error, BaseException) else None)
+
+    def _emit_effects(self) -> None:
+        rows = [("effects", row) for row in self.effects.take(self.loop)]
+        if rows:
+            self.emit(("rows", rows, []))
+
+    def done(self) -> bool:
+        return (len(self.fed) == len(self.workload.requests)
+                and all(self.ended(req) for req in self.reqs.values())
+                and len(self.reqs) == len(self.workload.requests)
+                and self._in_flight() == 0)
+
+    def ended(self, req) -> bool:
+        """Finished, or ended by an ``AbortReq`` output (SGLang pops a request aborted
+        while queued without setting its ``finished_reason``)."""
+        return bool(req.finished()) or req.rid in self.abort_outputs
+
+    def _in_flight(self) -> int:
+        """Launched steps not yet processed that the loop carries to its next iteration:
+        SGLang's overlap loops' ``result_queue``; omni's lookahead step (``async_pending``)."""
+        if self.omni:
+            return int(self.s.async_pending is not None)
+        return len(getattr(self.s, "result_queue", ()) or ())
+
+    def _overlaps(self) -> bool:
+        """Whether the loop can carry in-flight work (omni: ``enable_async_decode``)."""
+        return bool(self.s.enable_overlap or (self.omni and self.s.enable_async_decode))
+
+    def feed(self) -> None:
+        """Hand SGLang the requests due at this step, then the aborts due, each after
+        its request, through the same ingress."""
+        for spec in self.workload.requests:
+            self._feed_request(spec)
+        for spec in self.workload.requests:
+            if (spec.abort_at is not None and spec.abort_at <= self.step
+                    and spec.rid in self.fed and spec.rid not in self.aborts_sent):
+                self.s.request_receiver.pending.append(abort_request(spec.rid))
+                self.aborts_sent.add(spec.rid)
+
+    def _feed_request(self, spec: RequestSpec) -> None:
+        if spec.rid in self.fed or spec.arrival > self.step:
+            return
+        prompt = list(spec.prompt)
+        if spec.turn_of is not None:
+            parent = self.reqs.get(spec.turn_of)
+            if parent is None or not self.ended(parent):
+                return
+            prompt = list(parent.origin_input_ids) + list(parent.output_ids) + prompt
+        if self.omni:
+            self.s.inbox.put(omni_request_message(spec.rid, prompt, spec.sampling()))
+        else:
+            self.s.request_receiver.pending.append(tokenized_request(spec, prompt))
+        self.fed.add(spec.rid)
+
+    def finish(self) -> None:
+        """Emit the outputs table (called once, whatever ended the run)."""
+        if self.effects is not None:
+            self.effects.active = False
+            self._emit_effects()
+        if not self.capture:
+            return
+        for rid, req in self.reqs.items():
+            for index, token in enumerate(req.output_ids):
+                self.emit(("row", "outputs", {"rid": rid, "index": index, "token": int(token)}))

@@ -1,0 +1,125 @@
+"""The step-boundary frame: one ``steps`` row, a ``requests`` row per request, the live
+rows' ``req_to_token`` entries, and the backend's per-request state, sent as one message."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from contract_lib.capture.batches import free_slot_mask, mode_name
+from contract_lib.compat import EmptyBatch, uncached_sizes
+
+
+class StepSnapshot:
+    """The snapshot part of :class:`~contract_lib.capture.recorder.Recorder` (its state is
+    set in ``Recorder.__init__``)."""
+
+    def snapshot(self) -> None:
+        s, step = self.s, self.step
+        running, last = s.running_batch, s.last_batch
+        rows: list[tuple[str, dict[str, Any]]] = []
+        rows.append(("steps", {
+            "step": step, "loop": self.loop, "forward_ct": s.forward_ct,
+            "result_queue_len": self._in_flight(),
+            "is_fully_idle": bool(s.is_fully_idle()), "idle_probe": self._idle_probe(),
+            "enable_overlap": self._overlaps(),
+            "enable_overlap_mlx": bool(s.enable_overlap_mlx),
+            "running_bs": 0 if running is None else len(running.reqs),
+            "running_mode": mode_name(running), "last_batch_mode": mode_name(last),
+            "waiting_len": len(s.waiting_queue), **self._pool_terms(),
+            "wall_time": time.monotonic(),
+            "processed_tokens_counter": getattr(s, "processed_tokens_counter", None),
+        }))
+        free = free_slot_mask(self.s.token_to_kv_pool_allocator)
+        rtt = s.req_to_token_pool.req_to_token
+        slot_rows = []
+        for index, (rid, req) in enumerate(self.reqs.items()):
+            kv = req.kv
+            row = kv.req_pool_idx
+            reason = (req.finished_reason.to_json() if req.finished_reason
+                      else self.abort_outputs.get(rid, {}))
+            rows.append(("requests", {
+                "step": step, "rid": rid, "prompt_len": len(req.origin_input_ids),
+                "emitted": len(req.output_ids), "finished": self.ended(req),
+                "req_pool_idx": row, "seq_len": self._seq_len(req, running, last),
+                "kv_computed": self.kv_computed.get(rid),
+                "kv_committed_len": kv.kv_committed_len,
+                "kv_allocated_len": kv.kv_allocated_len,
+                "cache_protected_len": kv.cache_protected_len,
+                "cached_tokens": req.cached_tokens,
+                "finish_reason": reason.get("type"), "finish_message": reason.get("message"),
+                "retractions": req.retraction_count,
+                "decode_batch_idx": getattr(req, "decode_batch_idx", None),
+                "kv_prefilled": self.kv_prefilled.get(rid),
+            }))
+            if row is None or self.ended(req):
+                continue
+            width = max(self.kv_computed.get(rid, 0), kv.kv_allocated_len)
+            entries = rtt[row, :width].numpy()
+            written = (self.written_by[row, :width] == index).tolist()
+            slot_rows.append((step, rid, row, entries.tolist(), free[entries].tolist(),
+                              written))
+        rows += [("backend_state", row) for row in self.backend.rows(step, self.reqs)]
+        # One message: the step's frame, taken together (slots column-wise, expanded by
+        # the parent into one row per position).
+        self.emit(("rows", rows, slot_rows))
+
+    def _idle_probe(self) -> bool:
+        """``is_fully_idle()`` with every term but the in-flight one masked to idle."""
+        s = self.s
+        saved = (s.running_batch, s.last_batch, s.chunked_req, s.waiting_queue)
+        try:
+            s.running_batch = EmptyBatch()
+            s.last_batch, s.chunked_req, s.waiting_queue = None, None, []
+            return bool(s.is_fully_idle())
+        finally:
+            s.running_batch, s.last_batch, s.chunked_req, s.waiting_queue = saved
+
+    def _pool_terms(self) -> dict[str, Any]:
+        """SGLang's own KV pool conservation terms (``InvariantChecker``), and its verdict."""
+        checker = self._invariant_checker()
+        stats = checker.pool_stats_observer.get_pool_stats()
+        uncached = uncached_sizes(checker)
+        leak, _message = checker._check_full_pool(stats, uncached=uncached)
+        return {
+            "kv_total": int(self.s.max_total_num_tokens),
+            "kv_available": int(stats.full_available_size),
+            "kv_evictable": int(stats.full_evictable_size),
+            "kv_protected": int(self.s.tree_cache.protected_size()),
+            "kv_uncached": int(uncached), "pool_leak": bool(leak),
+        }
+
+    def _invariant_checker(self):
+        """SGLang's ``SchedulerInvariantChecker``: the scheduler's own or, where the loop
+        builds none (``omni``), one SGLang's ``init_invariant_checker`` builds over the
+        scheduler's pools for the frames only (nothing in the loop reads it)."""
+        checker = getattr(self.s, "invariant_checker", None)
+        if checker is None:
+            if self._checker is None:
+                from sglang.srt.managers.scheduler import Scheduler
+
+                view = ReadThrough(self.s)
+                Scheduler.init_invariant_checker(view)
+                self._checker = view.invariant_checker
+            checker = self._checker
+        return checker
+
+    @staticmethod
+    def _seq_len(req, running, last) -> int | None:
+        for batch in (running, last):
+            if batch is None or batch.is_empty() or batch.seq_lens is None:
+                continue
+            for i, other in enumerate(batch.reqs):
+                if other is req:
+                    return int(batch.seq_lens[i])
+        return None
+
+
+class ReadThrough:
+    """Reads fall through to the scheduler; writes stay here (see ``_invariant_checker``)."""
+
+    def __init__(self, scheduler) -> None:
+        self._scheduler = scheduler
+
+    def __getattr__(self, name: str):
+        return getattr(self._scheduler, name)
