@@ -58,12 +58,15 @@ def test_stop_tokens_finish_where_the_forward_emits_them(run_cached, loop):
 
 def test_stop_tokens_identical_across_loops(run_cached):
     tokens = {loop: run_cached("stop-tokens", loop).output_tokens() for loop in LOOPS}
+    assert tokens["normal"]["a"][-1] == 7 and tokens["normal"]["b"][-1] == 2  # scripted
     assert tokens["overlap"] == tokens["normal"] and tokens["mlx"] == tokens["normal"]
 
 
 @pytest.mark.parametrize("loop", TORCH)
 def test_stop_tokens_torch_loops_hold_the_contract(run_cached, loop):
-    _assert_torch_contract(run_cached("stop-tokens", loop))
+    frames = run_cached("stop-tokens", loop)
+    assert set(_last(frames)[r]["finish_reason"] for r in "abd") == {"stop"}
+    _assert_torch_contract(frames)
 
 
 # -- aborts ----------------------------------------------------------------------------------
@@ -93,6 +96,7 @@ def test_aborts_emit_the_same_tokens_on_every_loop(run_cached):
     tokens = {loop: run_cached("abort", loop).output_tokens() for loop in LOOPS}
     for loop in LOOPS:
         assert tokens[loop]["c"] == tokens["normal"]["c"]
+        assert len(tokens[loop]["a"]) < 24 and "b" not in tokens[loop]  # aborted
     longest = max((t["a"] for t in tokens.values()), key=len)
     for loop in LOOPS:
         assert longest[:len(tokens[loop]["a"])] == tokens[loop]["a"]
@@ -100,7 +104,9 @@ def test_aborts_emit_the_same_tokens_on_every_loop(run_cached):
 
 @pytest.mark.parametrize("loop", TORCH)
 def test_aborts_torch_loops_hold_the_contract(run_cached, loop):
-    _assert_torch_contract(run_cached("abort", loop))
+    frames = run_cached("abort", loop)
+    assert {_last(frames)[r]["finish_reason"] for r in "ab"} == {"abort"}
+    _assert_torch_contract(frames)
 
 
 # -- priorities ------------------------------------------------------------------------------
@@ -121,13 +127,17 @@ def test_priority_preempts_and_orders(run_cached, loop):
 
 
 def test_priority_identical_across_loops(run_cached):
+    for loop in LOOPS:  # the preemption happened everywhere
+        assert _last(run_cached("priority", loop))["a"]["retractions"] >= 1, loop
     tokens = {loop: run_cached("priority", loop).output_tokens() for loop in LOOPS}
     assert tokens["overlap"] == tokens["normal"] and tokens["mlx"] == tokens["normal"]
 
 
 @pytest.mark.parametrize("loop", TORCH)
 def test_priority_torch_loops_hold_the_contract(run_cached, loop):
-    _assert_torch_contract(run_cached("priority", loop))
+    frames = run_cached("priority", loop)
+    assert _last(frames)["a"]["retractions"] >= 1  # a preemption, then re-prefill
+    _assert_torch_contract(frames)
 
 
 # -- page_size 4 -----------------------------------------------------------------------------
@@ -167,19 +177,26 @@ def test_page_size_4_is_refused_on_mlx(run_cached):
 
 
 @pytest.mark.releases
-@pytest.mark.parametrize("workload", ["stop-tokens", "abort", "priority", "page-size-4"])
-def test_omni_runs_or_refuses_clearly(run_cached, workload):
+@pytest.mark.parametrize("workload", ["stop-tokens", "page-size-4"])
+def test_omni_runs_stop_tokens_and_page_size_4(run_cached, workload):
+    """sglang-omni (SGLang 0.5.22) emits the torch loops' tokens, the scripted stop token
+    and EOS finishes included, and runs a paged pool."""
+    frames = _finished(run_cached(workload, "omni"))
+    torch = run_cached(workload, "normal", sglang="0.5.22")
+    if workload == "stop-tokens":  # the scripted stop token, and EOS ends a request
+        assert frames.output_tokens()["a"][-1] == 7 and frames.output_tokens()["b"][-1] == 2
+    assert frames.output_tokens() == torch.output_tokens()
+    assert {r["finish_reason"] for r in _last(frames).values()} == {
+        r["finish_reason"] for r in _last(torch).values()}
+
+
+@pytest.mark.releases
+@pytest.mark.parametrize("workload", ["abort", "priority"])
+def test_omni_refuses_aborts_and_priorities(run_cached, workload):
     frames = run_cached(workload, "omni")
     reason = unsupported(frames.meta)
-    if reason is not None:
-        assert "omni" in reason and "\n" not in reason
-        return
-    _finished(frames)
-    torch = run_cached(workload, "normal", sglang="0.5.22")
-    if workload == "abort":
-        assert frames.output_tokens()["c"] == torch.output_tokens()["c"]
-    else:
-        assert frames.output_tokens() == torch.output_tokens()
+    assert reason is not None and "loop omni" in reason and "\n" not in reason
+    assert check(frames).verdict().outcome == Outcome.USAGE
 
 
 def test_real_runner_refuses_a_scripted_forward(run_cached):
