@@ -29,11 +29,12 @@ KV_POOL_ROW = "- KV pool (real MlxModelRunner)"
 # shows ``vacuous``: none of them earned ``holds``.
 SETUP_ERROR, VACUOUS = "setup-error", "vacuous"
 # A run the loop refused in set-up because SGLang, as built for it, cannot run what the
-# workload asks (e.g. page_size > 1 on MLX): shown, and not counted in the exit code.
+# workload asks (e.g. page_size > 1 on MLX): not counted in the exit code, and shown in
+# a cell only when no workload ran there (the line under the table names it).
 UNSUPPORTED = "unsupported"
 # Worst first: the status a (clause, loop) cell shows over several workloads.
 _SEVERITY = [VIOLATED, MASKED, SETUP_ERROR, "crashed", "died", "timeout", "interrupted",
-             VACUOUS, UNSUPPORTED, HOLDS, NOT_EXERCISED]
+             VACUOUS, HOLDS, NOT_EXERCISED, UNSUPPORTED]
 # The cell of a (clause, loop) whose every violating run is a catalogued SGLang-wide bug
 # (contract_lib.contract.sglang_finding): reported, and not a reference-loop failure.
 SGLANG_WIDE = "sglang-wide bug"

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 
 import contract_lib
@@ -138,6 +139,16 @@ def test_priority_torch_loops_hold_the_contract(run_cached, loop):
     frames = run_cached("priority", loop)
     assert _last(frames)["a"]["retractions"] >= 1  # a preemption, then re-prefill
     _assert_torch_contract(frames)
+
+
+@pytest.mark.parametrize("workload, loop", [("priority", "overlap"), ("abort", "mlx")])
+def test_priorities_and_aborts_give_deterministic_frames(run_cached, workload, loop):
+    """A preemption (whose order SGLang breaks by queue time only between equal
+    priorities) and an abort land at the same step in every run."""
+    first, second = run_cached(workload, loop).comparable(), contract_lib.run(
+        workload, loop, cache=False).comparable()
+    for name in first:
+        pd.testing.assert_frame_equal(first[name], second[name], obj=name)
 
 
 # -- page_size 4 -----------------------------------------------------------------------------
