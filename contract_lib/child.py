@@ -188,7 +188,7 @@ def _build(spec: dict[str, Any], loop_spec: loops.LoopSpec, emit,
         timing["build_s"] = time.perf_counter() - built
         scheduler.request_receiver = shims.ScriptedReceiver()
         applied.append("scripted-ingress")
-    _check_page_size(scheduler, loop_spec.name)
+    _check_page_size(scheduler, loop_spec.name, triton="triton-standin" not in applied)
     emit(("meta", {"shims": applied, "expect": workload.expected_outcomes(),
                    "enable_overlap": bool(scheduler.enable_overlap),
                    "enable_overlap_mlx": bool(scheduler.enable_overlap_mlx)}))
@@ -218,7 +218,7 @@ def _refuse_on_omni(workload: Workload) -> None:
                           "ingress; run this workload on normal, overlap or mlx")
 
 
-def _check_page_size(scheduler, loop: str) -> None:
+def _check_page_size(scheduler, loop: str, triton: bool) -> None:
     """Refuse, before the loop, a page size the KV allocator SGLang built cannot serve.
 
     With ``page_size > 1`` the scheduler allocates through the paged path
@@ -226,7 +226,11 @@ def _check_page_size(scheduler, loop: str) -> None:
     fails at the first prefill ("alloc_extend is only for paged allocator"). SGLang's MLX
     backend (``MlxModelRunnerStub``) builds a token-level allocator whatever the page
     size; the torch loops' bookkeeping runner builds the paged one SGLang's model runner
-    builds (:mod:`contract_lib.shims`)."""
+    builds (:mod:`contract_lib.shims`). A paged allocator without a native path (no
+    ``use_triton_kernels`` switch: 0.5.21) launches Triton kernels, which need a real
+    ``triton`` (``triton``: False where SGLang's stand-in was loaded)."""
+    from importlib import metadata
+
     wanted = int(scheduler.server_args.page_size or 1)
     allocator = scheduler.token_to_kv_pool_allocator
     if allocator.page_size != wanted:
@@ -234,6 +238,11 @@ def _check_page_size(scheduler, loop: str) -> None:
             f"page_size={wanted} is not supported on loop {loop}: SGLang built a KV "
             f"allocator of page size {allocator.page_size} ({type(allocator).__name__}), "
             "which the scheduler's paged path would fail on at the first prefill")
+    if wanted > 1 and not triton and getattr(allocator, "use_triton_kernels", True):
+        raise Unsupported(
+            f"page_size={wanted} is not supported on loop {loop} with sglang "
+            f"{metadata.version('sglang')}: its {type(allocator).__name__} launches Triton "
+            "kernels only (no native path), and this machine has no Triton")
 
 
 def _check_overlap_arg(loop_spec: loops.LoopSpec, server_args, args: dict[str, Any],

@@ -184,6 +184,16 @@ def test_page_size_4_is_refused_on_mlx(run_cached):
     assert report.verdict().outcome == Outcome.USAGE  # exit 2
 
 
+@pytest.mark.releases
+def test_page_size_4_on_0_5_21_is_refused_not_crashed(run_cached):
+    """0.5.21's paged allocator has no native path (Triton kernels only): a set-up
+    refusal naming the release, not a crash at the first prefill; 0.5.22 runs it."""
+    reason = unsupported(run_cached("page-size-4", "normal", sglang="0.5.21").meta)
+    assert reason is not None and "sglang 0.5.21" in reason and "Triton" in reason
+    paged = _finished(run_cached("page-size-4", "overlap", sglang="0.5.22"))
+    assert paged.output_tokens() == run_cached("page-size-4", "normal").output_tokens()
+
+
 # -- sglang-omni and the real runner ---------------------------------------------------------
 
 
