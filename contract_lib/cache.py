@@ -1,9 +1,11 @@
 """A frame cache: a finished run is never executed twice with the same inputs.
 
 The key hashes everything that determines a run: the run spec (workload contents, loop,
-runner, SGLang release, patch spec, server-arg overrides), the SGLang the run imports
-(the venv's, or the release folder chosen with ``sglang=``: version, and the path, size
-and mtime of every file of the package, so an edited install is a different key), the
+runner, SGLang release, patch spec, server-arg overrides, and for a source tree or a copy
+with diffs its identity from :mod:`contract_lib.sources`: the tree's per-file content
+digest, the diffs' text), the SGLang the run imports (the venv's, or the folder chosen
+with ``sglang=`` / ``diff=``: version, and the path, size and mtime of every file of the
+package, so an edited install is a different key), the
 versions of torch, mlx, mlx-lm and Python, this library's own source and data files, and
 the source of any user patch module. Only ``finished`` runs are stored; faults always rerun.
 
@@ -133,7 +135,9 @@ def _patch_sources(patch: str | None) -> list[Any]:
 
 def key(spec: dict[str, Any], sglang_dir: Path | None = None) -> str:
     """The cache key of a run spec (see the module docstring for what goes in);
-    ``sglang_dir`` is the release folder the run imports SGLang from (None: the venv)."""
+    ``sglang_dir`` is the folder the run imports SGLang from (None: the venv): a release
+    folder, a source tree or a scratch copy with diffs, whose content identity the spec
+    carries (``sglang_source``)."""
     return _digest([SCHEMA_VERSION, spec, _environment_fingerprint(sglang_dir),
                     _library_fingerprint(), _patch_sources(spec.get("patch"))])
 

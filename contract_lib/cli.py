@@ -1,8 +1,10 @@
 """Command line: ``python -m contract_lib {run,check,status,...} ...``.
 
-``--runner {model-free,real}`` and ``--sglang VERSION`` choose the MLX runner and the
-SGLang release of ``run``, ``check`` and ``status``; ``status`` takes ``--sglang``
-several times to print the releases' clause tables side by side.
+``--runner {model-free,real}`` and ``--sglang VERSION|PATH`` choose the MLX runner and the
+SGLang of ``run``, ``check`` and ``status`` (a release, or a source tree), ``--diff FILE``
+applies upstream diffs to it (:mod:`contract_lib.sources`); ``status`` takes ``--sglang``
+several times to print the tables side by side. ``compare`` runs the same workloads
+through a base and a head SGLang (:mod:`contract_lib.compare`).
 
 Exit codes (one per outcome, :mod:`contract_lib.verdict`): 0 pass, 1 a clause violated
 (or the MLX KV pool damaged), 2 a usage or set-up error (unknown name, unsupported SGLang,
@@ -26,6 +28,7 @@ from contract_lib import loops
 from contract_lib.harness import RUNNERS, RunInterrupted, RunSetupError, run
 from contract_lib.patches import BUILTIN_PATCHES, PatchError, patch_spec
 from contract_lib.report import run_summary, step_table
+from contract_lib.sources import is_path
 from contract_lib.verdict import Outcome, setup_failed, worst
 from contract_lib.versions import (SUPPORTED_SGLANG_VERSIONS, SGLangInstallError,
                                    UnsupportedSGLangError)
@@ -73,14 +76,19 @@ def _add_release_options(parser: argparse.ArgumentParser, repeat: bool = False) 
                         help="mlx loop: the model-free next-token function (default) or "
                         "SGLang's real MlxModelRunner with a tiny local mlx-lm model")
     versions = ", ".join(SUPPORTED_SGLANG_VERSIONS)
+    what = (f"the SGLang release ({versions}; default: the venv's; others install into "
+            ".cache/sglang/<version> on first use) or a path to an SGLang source tree (a "
+            "checkout's root or its python/ folder)")
     if repeat:
-        parser.add_argument("--sglang", action="append", metavar="VERSION",
-                            help=f"the SGLang release ({versions}; default: the venv's); "
-                            "repeat to print the releases' tables side by side")
+        parser.add_argument("--sglang", action="append", metavar="VERSION|PATH",
+                            help=f"{what}; repeat to print the tables side by side")
     else:
-        parser.add_argument("--sglang", metavar="VERSION", help=f"the SGLang release "
-                            f"({versions}; default: the venv's); others install into "
-                            ".cache/sglang/<version> on first use")
+        parser.add_argument("--sglang", metavar="VERSION|PATH", help=what)
+    parser.add_argument("--diff", action="append", metavar="FILE",
+                        help="a unified diff in SGLang's repository layout "
+                        "(a/python/sglang/..., as `git diff` or a pull request's .diff "
+                        "writes it), applied with `git apply` to a scratch copy of that "
+                        "SGLang; repeat to apply several in order")
 
 
 def _add_clauses_option(parser: argparse.ArgumentParser) -> None:
@@ -102,7 +110,9 @@ def _default_out(args) -> Path:
     if args.runner == "real":
         name += ".real"
     if args.sglang:
-        name += f".sglang-{args.sglang}"
+        name += f".sglang-{Path(args.sglang).name if is_path(args.sglang) else args.sglang}"
+    for diff in args.diff or ():
+        name += f".diff-{Path(diff).stem}"
     if args.patch:
         name += "." + _file_part(patch_spec(args.patch))
     return FRAMES_DIR / f"{name}.json"
@@ -117,7 +127,8 @@ def _run(args) -> Frames:
     try:
         frames = run(args.workload, args.loop, patch=args.patch,
                      server_args=dict(args.server_arg), cache=not args.no_cache,
-                     warm=not args.cold, runner=args.runner, sglang=args.sglang)
+                     warm=not args.cold, runner=args.runner, sglang=args.sglang,
+                     diff=args.diff)
     except RunInterrupted as exc:  # keep what the run captured
         out = _save_frames(exc.frames, args.out or _default_out(args))
         raise RunInterrupted(f"{exc}; the frames so far are in {out}", exc.frames) from None
@@ -190,7 +201,8 @@ def cmd_status(args) -> int:
                              loops=tuple(args.loop) if args.loop else None,
                              patch=patch_spec(args.patch),
                              cache=not args.no_cache, warm=not args.cold,
-                             runner=args.runner, clauses=args.clauses)
+                             runner=args.runner, clauses=args.clauses,
+                             diffs=args.diff)
     print(result.text())
     reference = result.reference_violations()
     if not reference.empty:
@@ -294,6 +306,16 @@ def cmd_search(args) -> int:
     return Outcome.VIOLATED
 
 
+def cmd_compare(args) -> int:
+    from contract_lib.compare import compare
+
+    result = compare(args.base, args.head, workloads=args.workloads or None,
+                     loops=args.loop or None, clauses=args.clauses, runner=args.runner,
+                     cache=not args.no_cache, warm=not args.cold)
+    print(result.text())
+    return result.outcome()
+
+
 def cmd_cache(args) -> int:
     from contract_lib import cache
 
@@ -384,6 +406,26 @@ def build_parser() -> argparse.ArgumentParser:
     search_parser.add_argument("--no-cache", action="store_true",
                                help="neither serve nor store runs in the frame cache")
     search_parser.set_defaults(handler=cmd_search)
+    compare_parser = commands.add_parser(
+        "compare", help="the same workloads through a base and a head SGLang, side by side; "
+        "exit 0 the head fixed a clause and broke none, 1 it broke one, 5 nothing changed, "
+        "2 set-up error, 3 a run did not finish, 4 vacuous (see contract_lib/compare.py)")
+    side = ("comma-separated KEY=VALUE: release=VERSION or path=TREE, then any diff=FILE "
+            "and patch=NAME (repeatable, applied in order)")
+    compare_parser.add_argument("--base", default="", help=f"{side}; default: the venv's "
+                                "SGLang, unpatched")
+    compare_parser.add_argument("--head", required=True, help=side)
+    compare_parser.add_argument("--loop", action="append", choices=loops.names(),
+                                help="restrict to these loops (repeatable; default: "
+                                "SGLang's loops)")
+    compare_parser.add_argument("workloads", nargs="*", metavar="WORKLOAD",
+                                help="shipped workload names or .toml paths (default: all "
+                                "shipped)")
+    compare_parser.add_argument("--runner", choices=RUNNERS, default="model-free",
+                                help="the mlx loop's runner, as for check")
+    _add_clauses_option(compare_parser)
+    _add_speed_options(compare_parser)
+    compare_parser.set_defaults(handler=cmd_compare)
     cache_parser = commands.add_parser("cache", help="manage the frame cache")
     cache_parser.add_argument("action", choices=["clear", "path"])
     cache_parser.set_defaults(handler=cmd_cache)

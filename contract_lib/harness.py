@@ -39,7 +39,9 @@ from contract_lib.patches import PatchArg, patch_spec
 from contract_lib.pool import POOL, child_env
 from contract_lib.protocol import RunSetupError, collect, frames_of, interrupted_error
 from contract_lib.serverargs import problems
-from contract_lib.versions import require_supported_sglang, sglang_path
+from contract_lib.sources import Source, is_path
+from contract_lib.sources import resolve as resolve_sglang
+from contract_lib.versions import require_supported_sglang
 from contract_lib.workloads import Workload, load_workload
 
 # The registered loops (:mod:`contract_lib.loops`), and those ``status`` and ``audit``
@@ -90,7 +92,8 @@ def run(
     capture: bool = True,
     audit: bool = False,
     runner: str = "model-free",
-    sglang: str | None = None,
+    sglang: str | Path | Source | None = None,
+    diff: str | Path | list | tuple | None = None,
     cancel: threading.Event | None = None,
 ) -> Frames:
     """Drive ``workload`` through ``loop`` and return its frames, whatever happened.
@@ -111,8 +114,11 @@ def run(
 
     ``runner``: ``"model-free"`` (default) or ``"real"`` (MLX loop only; see
     :data:`RUNNERS`). ``sglang``: a supported release (``"0.5.21"``, ``"0.5.22"``,
-    ``"0.5.23"``), installed into its own folder on first use; None is the venv's.
-    Both are part of the run spec, hence of the cache key.
+    ``"0.5.23"``), installed into its own folder on first use; None is the venv's; or a
+    path to an SGLang source tree (a checkout's root or its ``python/`` folder).
+    ``diff``: one or several unified diffs in the upstream layout, applied in order to a
+    scratch copy of that SGLang (:mod:`contract_lib.sources`). All are part of the run
+    spec, hence of the cache key (a tree and a diff by their contents).
 
     Bad input raises before any run child starts: :class:`WorkloadError` (e.g. a token id
     outside the model's vocabulary), :class:`RunSetupError` (e.g. a server arg of the
@@ -133,11 +139,13 @@ def run(
             "torch loops stay model-free (compare a real run with "
             "contract_lib.tiny_model.reference_outputs or with the MLX fixed path)")
     if loop_spec.sglang is not None:
-        if sglang not in (None, loop_spec.sglang):
+        if sglang not in (None, loop_spec.sglang) and getattr(
+                sglang, "release", None) != loop_spec.sglang:
             raise RunSetupError(f"loop {loop!r} is {loop_spec.note}; it cannot run on "
-                                f"sglang {sglang}")
-        sglang = loop_spec.sglang
-    version = require_supported_sglang(sglang)
+                                f"sglang {getattr(sglang, 'label', sglang)}")
+        sglang = sglang or loop_spec.sglang
+    if not isinstance(sglang, Source) and not is_path(sglang):
+        require_supported_sglang(sglang)  # fail fast, before the workload is read
     if not isinstance(workload, Workload):
         workload = load_workload(workload)
     workload.validate(f"workload {workload.name!r}")
@@ -152,17 +160,20 @@ def run(
         "capture": capture,
         "audit": audit,
         "runner": runner,
-        "sglang": version,
     }
+    source = resolve_sglang(sglang, diff)  # installs a release / builds a copy on first use
+    spec["sglang"] = source.version
+    if source.identity:
+        spec["sglang_source"] = source.identity
     meta = {
         "workload": workload.name,
         "loop": loop,
         "patch": spec["patch"],
         "server_args": {**workload.server_args, **spec["server_args"]},
-        "sglang_version": version,
+        "sglang_version": source.label,
         "runner": runner,
     }
-    sglang_dir = sglang_path(version)  # installs the release on first use
+    sglang_dir = source.sglang_dir
     omni_dir = None
     if loop_spec.family == loops.OMNI:
         from contract_lib import omni

@@ -238,8 +238,9 @@ class ReleasesStatus:
         loop_width = max(len(loop) for _, loop in table.index) + 2
         versions = list(table.columns)
         runner = self.statuses[0].runner
+        column = max([24] + [len(f"sglang {v}  ") for v in versions])  # a tree's label is long
         lines = ["clause".ljust(width) + "loop".ljust(loop_width)
-                 + "".join(f"sglang {v:<17}" for v in versions)]
+                 + "".join(f"sglang {v}".ljust(column) for v in versions)]
         previous = None
         for clause, loop in table.index:
             label = clause if clause != previous else ""
@@ -247,7 +248,7 @@ class ReleasesStatus:
                 lines += _section(clause, previous)
             previous = clause
             lines.append(label.ljust(width) + loop.ljust(loop_width) + "".join(
-                f"{table.loc[(clause, loop), v]:<24}" for v in versions))
+                f"{table.loc[(clause, loop), v]:<{column}}" for v in versions))
         lines.append("")
         lines.append("(worst status over the workloads, and in how many of them it shows"
                      + ("; MLX with the real MlxModelRunner)" if runner == "real" else ")"))
@@ -274,27 +275,29 @@ class ReleasesStatus:
 def releases_status(versions: list[str | None], workloads: list[str] | None = None,
                     loops: tuple[str, ...] | None = None, patch: PatchArg = None,
                     progress: bool = True, cache: bool = True, warm: bool = True,
-                    runner: str = "model-free", clauses: str = "all") -> ReleasesStatus:
-    """Every workload through every loop on each SGLang release in ``versions`` (None:
-    the venv's), all runs in parallel; each release installs on first use."""
-    from contract_lib.versions import require_supported_sglang, sglang_path
+                    runner: str = "model-free", clauses: str = "all",
+                    diffs: list[str] | None = None) -> ReleasesStatus:
+    """Every workload through every loop on each SGLang in ``versions`` (a release, None:
+    the venv's, or a source-tree path; ``diffs`` applied to each), all runs in parallel;
+    each release installs on first use."""
+    from contract_lib.sources import resolve
 
     workloads = workloads or workload_names()
     loops = tuple(loops or default_loops(runner))
     spec = patch_spec(patch)
-    resolved = [require_supported_sglang(v) for v in versions]
-    for version in resolved:
-        sglang_path(version)  # install before the parallel runs, one release at a time
-    keys = [(v, w, loop) for v in resolved for w in workloads for loop in loops]
-    requested = dict(zip(resolved, versions))
+    # Install or build before the parallel runs, one at a time.
+    sources = {source.label: (source, v) for v in versions
+               for source in [resolve(v, diffs)]}
+    keys = [(v, w, loop) for v in sources for w in workloads for loop in loops]
     # A pinned loop (``omni``) runs on its release: the default (None) lets it choose it.
     frames = run_many([{"workload": w, "loop": loop, "patch": spec, "cache": cache,
                         "warm": warm, "runner": runner,
-                        "sglang": requested[v] if registry.spec(loop).sglang else v}
+                        **({"sglang": sources[v][1], "diff": diffs}
+                           if registry.spec(loop).sglang else {"sglang": sources[v][0]})}
                        for v, w, loop in keys], progress=progress)
     frames = frames_or_raise(frames)  # e.g. a bad server arg: the table needs every run
     statuses = []
-    for version in resolved:
+    for version in sources:
         runs = [((w, loop), f) for (v, w, loop), f in zip(keys, frames) if v == version]
         damage = {}
         if runner == "real":

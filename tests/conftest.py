@@ -1,12 +1,20 @@
-"""Shared fixtures: one real run per (workload, loop, patch, runner, release) per session."""
+"""Shared fixtures: one real run per (workload, loop, patch, runner, release) per session,
+and the committed frames of such runs (``tests/fixtures``) for the fast tier."""
 
 from __future__ import annotations
 
+import copy
 import functools
+import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 import contract_lib
+from contract_lib.frames import read_payload
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 @functools.lru_cache(maxsize=None)
@@ -26,6 +34,30 @@ def run_cached():
         _cached_run(workload, loop, patch, runner, sglang))
 
 
+@functools.lru_cache(maxsize=None)
+def _fixture_payload(name: str) -> dict[str, Any]:
+    path = FIXTURES / f"{name}.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such frame fixture; add the run to "
+                                "scripts/make-fixtures and run it")
+    return read_payload(path)  # checked against the frame schema
+
+
+def saved_frames(workload: str, loop: str, patch: str | None = None) -> contract_lib.Frames:
+    """The committed frames of ``run(workload, loop, patch=patch)`` (``tests/fixtures``,
+    written by ``scripts/make-fixtures``): a fresh copy per call, free to edit."""
+    name = f"{workload}.{loop}" + (f".{patch}" if patch else "")
+    payload = _fixture_payload(name)
+    return contract_lib.Frames.from_payload({**payload, "meta": copy.deepcopy(payload["meta"])})
+
+
+@pytest.fixture(scope="session")
+def saved():
+    """``saved(workload, loop, patch=None)``: the committed frames of that real run, as
+    ``run_cached`` would return them (pure pandas, no Scheduler); a fresh copy per call."""
+    return saved_frames
+
+
 @pytest.fixture()
 def private_cache(tmp_path, monkeypatch):
     """A frame cache of the test's own (enabled), in ``tmp_path / "frames"``."""
@@ -36,7 +68,7 @@ def private_cache(tmp_path, monkeypatch):
 
 # -- tiers ---------------------------------------------------------------------------------
 # Every test gets exactly one tier marker (registered in pyproject.toml): a test module
-# declares ``fast`` or ``releases`` itself (``pytestmark``); notebooks are ``notebooks``;
+# or a test declares ``fast`` or ``releases`` itself; notebooks are ``notebooks``;
 # everything else drives a real loop.
 _TIERS = ("fast", "real_loop", "releases", "notebooks")
 
@@ -50,3 +82,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.notebooks)
         else:
             item.add_marker(pytest.mark.real_loop)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """``pytest -m fast``: skip importing test modules that mark no test ``fast`` (their
+    imports, e.g. hypothesis, jupytext, papermill, cost seconds of the tier's budget).
+    A module's fast tests say so in its text: ``pytest.mark.fast`` or ``pytestmark``."""
+    if (config.getoption("markexpr", "").strip() == "fast" and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_")
+            and "mark.fast" not in collection_path.read_text(encoding="utf-8")):
+        return True
+    return None
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """``pytest -m fast`` fails when anything it ran imported SGLang (the tier is pure
+    pandas; ``tests/test_tiers.py`` also runs it with SGLang unimportable)."""
+    if session.config.getoption("markexpr", "").strip() == "fast" and "sglang" in sys.modules:
+        print("\nerror: the fast tier imported sglang", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

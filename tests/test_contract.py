@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
-import pandas as pd
 import pytest
 
 import contract_lib
@@ -20,17 +17,17 @@ def _statuses(report):
     return {n: r.status for n, r in report.clauses.items()}
 
 
-# -- crafted frames: every clause fails on its own ------------------------------------------
+# -- crafted frames: every clause fails on its own (fast tier: committed frames) -------------
 
 
 @pytest.fixture()
-def good(run_cached):
-    """A deep copy of a run that satisfies every clause (torch overlap, two-turn; with
-    the HRRN clock fixed, clause 6, which the torch loops violate as shipped)."""
-    frames = run_cached("two-turn", "overlap", "fix-processed-tokens-counter")
+def good(saved):
+    """A run that satisfies every clause (torch overlap, two-turn; with the HRRN clock
+    fixed, clause 6, which the torch loops violate as shipped): its committed frames, a
+    fresh copy to edit."""
+    frames = saved("two-turn", "overlap", "fix-processed-tokens-counter")
     assert check(frames).ok
-    return contract_lib.Frames(tables={k: v.copy() for k, v in frames.tables.items()},
-                               meta=copy.deepcopy(frames.meta))
+    return frames
 
 
 def _only(report, clause, status=VIOLATED):
@@ -45,6 +42,7 @@ def _live_slot(frames, step=5):
     return s[(s.step == step) & (s.rid == "a") & (s.position == 3)].index[0]
 
 
+@pytest.mark.fast
 def test_clause1_fails_on_padding_slot(good):
     good.slots.loc[_live_slot(good), "slot"] = 0
     first = _only(check(good), 1)
@@ -52,12 +50,14 @@ def test_clause1_fails_on_padding_slot(good):
         "req_to_token", 5, "a", "slot 0")
 
 
+@pytest.mark.fast
 def test_clause1_fails_on_free_slot(good):
     good.slots.loc[_live_slot(good), "slot_free"] = True
     first = _only(check(good), 1)
     assert first["field"] == "req_to_token" and "free" in first["actual"]
 
 
+@pytest.mark.fast
 def test_clause1_fails_on_slot_shared_with_another_live_request(good):
     s = good.slots
     b_slot = s[(s.step == 5) & (s.rid == "b") & (s.position == 11)].slot.iloc[0]
@@ -66,6 +66,7 @@ def test_clause1_fails_on_slot_shared_with_another_live_request(good):
     assert "also held by b" in first["actual"]
 
 
+@pytest.mark.fast
 def test_clause1_fails_on_entry_left_by_the_rows_previous_holder(good):
     """A real slot, not free, held by no other live request, but never written into the
     row for this request (e.g. a finished request's radix-cached slot): stale."""
@@ -75,6 +76,7 @@ def test_clause1_fails_on_entry_left_by_the_rows_previous_holder(good):
     assert "previous holder" in first["explanation"]
 
 
+@pytest.mark.fast
 def test_clause2_fails_on_lagging_counter(good):
     r = good.requests
     row = r[(r.step == 7) & (r.rid == "b")].index[0]
@@ -84,6 +86,7 @@ def test_clause2_fails_on_lagging_counter(good):
     assert first["expected"] - first["actual"] == 2
 
 
+@pytest.mark.fast
 def test_clause3_fails_on_each_stamp(good):
     launches = good.launches
     broken = good.launches.copy()
@@ -99,6 +102,7 @@ def test_clause3_fails_on_each_stamp(good):
     assert _only(check(good), 3)["field"] == "launch_ts"
 
 
+@pytest.mark.fast
 def test_clause4_fails_on_unpublished_read(good):
     reads = good.relay.index[good.relay.event == "read"]
     good.relay.loc[reads[2], "published_for_rid"] = False
@@ -106,6 +110,7 @@ def test_clause4_fails_on_unpublished_read(good):
     assert first["field"] == "output_tokens_buf"
 
 
+@pytest.mark.fast
 def test_clause5_masked_and_plain_violation(good):
     busy = good.steps.index[good.steps.result_queue_len > 0]
     good.steps.loc[busy[1], "idle_probe"] = True
@@ -114,6 +119,7 @@ def test_clause5_masked_and_plain_violation(good):
     assert _only(check(good), 5, VIOLATED)["field"] == "result_queue"
 
 
+@pytest.mark.fast
 def test_pool_leak_is_reported(good):
     good.steps.loc[4, "pool_leak"] = True
     report = check(good)

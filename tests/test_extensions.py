@@ -33,25 +33,27 @@ def _status(frames, clause, clauses="all"):
     return check(frames, clauses).clauses[clause].status
 
 
-# -- crafted frames ---------------------------------------------------------------------------
+# -- crafted frames (fast tier: committed frames) -----------------------------------------------
 
 
 @pytest.fixture()
-def torch_good(run_cached):
-    """Torch overlap on two-turn with the HRRN clock fixed: every clause holds."""
-    frames = run_cached("two-turn", "overlap", "fix-processed-tokens-counter")
+def torch_good(saved):
+    """Torch overlap on two-turn with the HRRN clock fixed: every clause holds (its
+    committed frames, a fresh copy to edit)."""
+    frames = saved("two-turn", "overlap", "fix-processed-tokens-counter")
     assert check(frames).ok
-    return _copy(frames)
+    return frames
 
 
 @pytest.fixture()
-def mlx_good(run_cached):
-    """MLX on two-turn with state retirement fixed: clause 7 holds."""
-    frames = run_cached("two-turn", "mlx", "fix-backend-state")
+def mlx_good(saved):
+    """MLX on two-turn with state retirement fixed: clause 7 holds (committed frames)."""
+    frames = saved("two-turn", "mlx", "fix-backend-state")
     assert _status(frames, 7) == HOLDS
-    return _copy(frames)
+    return frames
 
 
+@pytest.mark.fast
 def test_decode_batch_idx_fails_when_it_lags(torch_good):
     r = torch_good.requests
     row = r[(r.step == 8) & (r.rid == "b")].index[0]
@@ -64,6 +66,7 @@ def test_decode_batch_idx_fails_when_it_lags(torch_good):
     assert _status(torch_good, 2, "rfc") == HOLDS  # not one of the RFC's fields
 
 
+@pytest.mark.fast
 def test_clause6_fails_on_a_clock_that_runs_ahead_or_lags(torch_good):
     steps = torch_good.steps
     ahead = torch_good.steps.copy()
@@ -84,6 +87,7 @@ def test_clause6_fails_on_a_clock_that_runs_ahead_or_lags(torch_good):
     assert sglang_finding(6, result) is None  # a lagging clock is not the catalogued bug
 
 
+@pytest.mark.fast
 def test_clause6_not_exercised_without_a_counter_or_a_launch(torch_good):
     frames = _copy(torch_good)
     frames.tables["steps"] = frames.steps.assign(processed_tokens_counter=None)
@@ -105,6 +109,7 @@ def _released_at(frames, rid):
     return int(r[(r.rid == rid) & r.finished.astype(bool)].step.min())
 
 
+@pytest.mark.fast
 def test_clause7_fails_on_state_kept_at_idle(mlx_good):
     last = int(mlx_good.steps.step.max())
     assert _released_at(mlx_good, "a2") == last  # no launch since: only idleness counts
@@ -117,6 +122,7 @@ def test_clause7_fails_on_state_kept_at_idle(mlx_good):
     assert "kept while the loop is idle" in first["explanation"]
 
 
+@pytest.mark.fast
 def test_clause7_fails_on_state_kept_after_a_launch(mlx_good):
     released = _released_at(mlx_good, "c")
     launches = mlx_good.launches[mlx_good.launches.step >= released]
@@ -129,6 +135,7 @@ def test_clause7_fails_on_state_kept_after_a_launch(mlx_good):
     assert "kept after launch" in first["explanation"]
 
 
+@pytest.mark.fast
 def test_clause7_fails_on_state_for_a_request_the_scheduler_does_not_hold(mlx_good):
     _add_state(mlx_good, step=5, rid="ghost", structure="tp_worker._mlx_active_rids")
     first = check(mlx_good).clauses[7].first()
@@ -136,6 +143,7 @@ def test_clause7_fails_on_state_for_a_request_the_scheduler_does_not_hold(mlx_go
     assert "does not hold" in first["expected"]
 
 
+@pytest.mark.fast
 def test_clause7_fails_on_a_row_the_request_no_longer_holds(mlx_good):
     r = mlx_good.requests
     row = int(r[(r.step == 5) & (r.rid == "a")].req_pool_idx.iloc[0])
@@ -148,13 +156,15 @@ def test_clause7_fails_on_a_row_the_request_no_longer_holds(mlx_good):
     assert (first["step"], first["expected"]) == (6, f"row {row} (the scheduler's)")
 
 
+@pytest.mark.fast
 def test_clause7_not_exercised_without_backend_state(mlx_good):
     mlx_good.tables["backend_state"] = mlx_good.backend_state.iloc[0:0]
     assert _status(mlx_good, 7) == NOT_EXERCISED
 
 
-def test_report_sections_and_clause_sets(run_cached):
-    frames = run_cached("two-turn", "normal")
+@pytest.mark.fast
+def test_report_sections_and_clause_sets(saved):
+    frames = saved("two-turn", "normal")
     text = check(frames).text()
     assert text.index(f"[{RFC}]") < text.index("1 slots recorded")
     assert text.index(f"[{EXTENSIONS}]") < text.index("6 scheduling clocks advanced")
@@ -253,6 +263,7 @@ JUDGED = {
 }
 
 
+@pytest.mark.fast
 def test_every_builtin_patch_is_judged():
     assert set(JUDGED) == set(BUILTIN_PATCHES)
 
@@ -301,8 +312,9 @@ def test_backend_state_fix_with_the_real_runner(run_cached):
 # -- status and check ---------------------------------------------------------------------------
 
 
-def test_status_shows_the_sglang_wide_bug_without_failing_the_reference_gate(run_cached):
-    reports = {(w, loop): check(run_cached(w, loop)) for w in ("two-turn", "single-decode")
+@pytest.mark.fast
+def test_status_shows_the_sglang_wide_bug_without_failing_the_reference_gate(saved):
+    reports = {(w, loop): check(saved(w, loop)) for w in ("two-turn", "single-decode")
                for loop in ("normal", "overlap", "mlx")}
     status = Status(reports)
     table = status.table()
@@ -315,12 +327,13 @@ def test_status_shows_the_sglang_wide_bug_without_failing_the_reference_gate(run
     assert text.index(f"[{RFC}]") < text.index(f"[{EXTENSIONS}]") < text.index(six)
     assert "2 counters advanced (+ decode_batch_idx)" in text
     # a torch clause-6 violation that is not the catalogued bug still fails the gate
-    lag = _copy(run_cached("two-turn", "normal", "fix-processed-tokens-counter"))
+    lag = saved("two-turn", "normal", "fix-processed-tokens-counter")
     lag.tables["steps"] = lag.steps.assign(processed_tokens_counter=0)
     reports[("two-turn", "normal")] = check(lag)
     assert list(Status(reports).reference_violations().clause) == [6]
 
 
+@pytest.mark.fast
 def test_sglang_wide_findings_are_catalogued():
     bugs = {bug["id"]: bug for bug in bug_catalog()}
     bug = bugs["processed-tokens-counter"]
@@ -337,6 +350,7 @@ def test_check_exit_codes_by_clause_set(capsys):
     assert main(args + ["--patch", "fix-processed-tokens-counter"]) == 0
 
 
+@pytest.mark.fast
 def test_an_unknown_clause_set_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exited:
         main(["check", "--loop", "normal", "--workload", "single-decode", "--clauses", "6"])
@@ -344,6 +358,7 @@ def test_an_unknown_clause_set_is_a_usage_error(capsys):
     assert "invalid choice: '6'" in capsys.readouterr().err
 
 
+@pytest.mark.fast
 def test_frames_without_the_extension_tables_are_not_exercised(torch_good):
     """Frames recorded before the extensions (no backend_state table, no counter or
     decode_batch_idx column) check as not exercised, with the reason, never as holds."""

@@ -9,11 +9,9 @@ against frames that do not change under it.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from contract_lib import Frames
+from conftest import saved_frames
 from contract_lib.contract import (HOLDS, MASKED, NOT_EXERCISED, VIOLATED,
                                    ContractViolation, assert_contract, check)
 from contract_lib.status import Status
@@ -21,11 +19,10 @@ from contract_lib.verdict import Outcome
 
 pytestmark = pytest.mark.fast
 
-FIXTURES = Path(__file__).parent / "fixtures"
 
-
-def fixture(name: str) -> Frames:
-    return Frames.load(FIXTURES / f"{name}.json")
+def fixture(name: str):
+    """The committed frames named ``workload.loop[.patch]``."""
+    return saved_frames(*name.split(".", 2))
 
 
 def _statuses(name: str, clauses: str = "all") -> dict[int, str]:

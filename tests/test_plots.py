@@ -1,5 +1,6 @@
-"""The notebook figures and tables (contract_lib.views), built on real runs (shared with
-the other tests)."""
+"""The notebook figures and tables (contract_lib.views), built on the committed frames
+of real runs (``tests/fixtures``; the fast tier), except those that need a run of
+their own (the effects audit, a held-out workload)."""
 
 from __future__ import annotations
 
@@ -35,10 +36,11 @@ def assert_readable(fig: Figure, panels: int) -> None:
 
 
 @pytest.fixture()
-def two_turn(run_cached):
-    return {loop: run_cached("two-turn", loop) for loop in ("normal", "overlap", "mlx")}
+def two_turn(saved):
+    return {loop: saved("two-turn", loop) for loop in ("normal", "overlap", "mlx")}
 
 
+@pytest.mark.fast
 def test_launch_timeline_counts_chained_launches(two_turn):
     fig = views.launch_timeline(two_turn["overlap"], two_turn["mlx"])
     assert_readable(fig, 2)
@@ -50,6 +52,7 @@ def test_launch_timeline_counts_chained_launches(two_turn):
     assert "mlx" in fig.axes[1].get_title()
 
 
+@pytest.mark.fast
 def test_slot_colours_name_every_clause_1_state(two_turn):
     """The grid draws the checker's states; it classifies nothing itself."""
     assert set(views.SLOT_COLOURS) == set(SLOT_STATES)
@@ -58,6 +61,7 @@ def test_slot_colours_name_every_clause_1_state(two_turn):
     assert (rows["state"] == "slot 0").any()
 
 
+@pytest.mark.fast
 def test_slot_grid(two_turn):
     fig = views.slot_grid(two_turn["normal"], two_turn["mlx"], rid="a")
     assert_readable(fig, 2)
@@ -65,16 +69,18 @@ def test_slot_grid(two_turn):
     assert not fig.axes[1].get_title().split("\n")[1].startswith("0 of")
 
 
-def test_counter_drift(two_turn, run_cached):
-    fixed = run_cached("two-turn", "mlx", "fix-chained-accounting")
+@pytest.mark.fast
+def test_counter_drift(two_turn, saved):
+    fixed = saved("two-turn", "mlx", "fix-chained-accounting")
     fig = views.counter_drift(two_turn["normal"], two_turn["mlx"], fixed, rid="a")
     assert_readable(fig, 3)
     assert "lag behind kv_computed: 0" in fig.axes[0].get_title()
     assert "lag behind kv_computed: 0" not in fig.axes[1].get_title()
 
 
-def test_radix_reuse_against_the_ideal(two_turn, run_cached):
-    fixed = run_cached("two-turn", "mlx", "fix-chained-accounting")
+@pytest.mark.fast
+def test_radix_reuse_against_the_ideal(two_turn, saved):
+    fixed = saved("two-turn", "mlx", "fix-chained-accounting")
     runs = (two_turn["normal"], two_turn["overlap"], two_turn["mlx"], fixed)
     table = views.radix_reuse_table(*runs)
     assert list(table["ideal"].unique()) == [27]
@@ -84,9 +90,10 @@ def test_radix_reuse_against_the_ideal(two_turn, run_cached):
     assert_readable(views.radix_reuse(*runs), 1)
 
 
-def test_step_stamps_replays(two_turn, run_cached):
-    no_ct = run_cached("two-turn", "mlx", "no-forward-ct")
-    no_ts = run_cached("two-turn", "mlx", "no-launch-ts")
+@pytest.mark.fast
+def test_step_stamps_replays(two_turn, saved):
+    no_ct = saved("two-turn", "mlx", "no-forward-ct")
+    no_ts = saved("two-turn", "mlx", "no-launch-ts")
     fig = views.step_stamps(two_turn["mlx"], no_ct, no_ts)
     assert_readable(fig, 3)
     ok = views.stamps_table(two_turn["mlx"])
@@ -98,16 +105,18 @@ def test_step_stamps_replays(two_turn, run_cached):
     assert "/work" not in summary and "site-packages" not in summary
 
 
-def test_relay_events(run_cached):
-    torch, mlx = run_cached("mixed-chunk", "overlap"), run_cached("mixed-chunk", "mlx")
+@pytest.mark.fast
+def test_relay_events(saved):
+    torch, mlx = saved("mixed-chunk", "overlap"), saved("mixed-chunk", "mlx")
     fig = views.relay_events(torch, mlx)
     assert_readable(fig, 2)
     assert "0 unpublished" in fig.axes[0].get_title()
     assert "0 unpublished" not in fig.axes[1].get_title()
 
 
-def test_idle_predicate(two_turn, run_cached):
-    fixed = run_cached("two-turn", "mlx", "fix-idle-predicate")
+@pytest.mark.fast
+def test_idle_predicate(two_turn, saved):
+    fixed = saved("two-turn", "mlx", "fix-idle-predicate")
     fig = views.idle_predicate(two_turn["overlap"], two_turn["mlx"], fixed)
     assert_readable(fig, 3)
     assert "idle at 0 of" in fig.axes[0].get_title()
@@ -115,6 +124,7 @@ def test_idle_predicate(two_turn, run_cached):
     assert "idle at 0 of" in fig.axes[2].get_title()
 
 
+@pytest.mark.fast
 def test_triage_tables(two_turn):
     frames = two_turn["mlx"]
     report = check(frames)
@@ -127,6 +137,7 @@ def test_triage_tables(two_turn):
     assert views.first_violation(check(two_turn["normal"], clauses="rfc")) is None
 
 
+@pytest.mark.fast
 def test_step_snapshot_and_figure(two_turn):
     frames = two_turn["mlx"]
     text = views.step_snapshot(frames, 7, "a")
@@ -142,6 +153,7 @@ def test_step_snapshot_and_figure(two_turn):
         views.step_figure(frames, 7, "zz")
 
 
+@pytest.mark.fast
 def test_step_explorer_builds_widgets(two_turn):
     pytest.importorskip("ipywidgets")
     view = views.step_explorer(two_turn["mlx"], step=7, rid="a")
@@ -150,6 +162,7 @@ def test_step_explorer_builds_widgets(two_turn):
     slider.value = 8  # re-renders without a frontend
 
 
+@pytest.mark.fast
 def test_figures_survive_a_run_that_recorded_nothing(two_turn):
     """A run that died in setup has no frames; its panel says so instead of raising."""
     dead = Frames.from_rows({}, {
@@ -183,12 +196,14 @@ def test_audit_figure_and_table():
     assert any("Effects audit" in t.get_text() for t in fig.texts)
 
 
+@pytest.mark.fast
 def test_one_meaning_per_colour():
     palette = {name: value for name, value in vars(style).items()
                if name.isupper() and isinstance(value, str) and value.startswith("#")}
     assert len(set(palette.values())) == len(palette), "two names for one colour"
 
 
+@pytest.mark.fast
 def test_panels_skip_runs_without_frames(two_turn):
     dead = Frames.from_rows({}, {"workload": "two-turn", "loop": "mlx", "status": "crashed",
                                  "steps": 0, "error": None})
@@ -199,6 +214,7 @@ def test_panels_skip_runs_without_frames(two_turn):
         style.panels([two_turn["normal"], dead], labels=["x"])
 
 
+@pytest.mark.fast
 def test_counter_drift_lines_end_at_the_finish_values(two_turn):
     frames = two_turn["mlx"]
     rows = frames.requests[frames.requests["rid"] == "a"]
@@ -214,6 +230,7 @@ def test_counter_drift_lines_end_at_the_finish_values(two_turn):
         views.counter_drift(frames, rid="a", x="time")
 
 
+@pytest.mark.fast
 def test_slot_ids_written_only_where_they_break_the_clause(two_turn):
     fig = views.slot_grid(two_turn["mlx"], rid="a")
     bad = len(check(two_turn["mlx"]).clauses[1].violations.query("rid == 'a'"))
@@ -239,10 +256,11 @@ def test_radix_reuse_of_a_workload_given_as_a_toml_path(tmp_path, run_cached):
     assert table["cached_tokens"].tolist() == [19]
 
 
-def test_clause_view_follows_the_violated_clause(two_turn, run_cached):
+@pytest.mark.fast
+def test_clause_view_follows_the_violated_clause(two_turn, saved):
     cases = {1: two_turn["mlx"],
-             3: run_cached("two-turn", "mlx", "fix-chained-accounting+no-forward-ct"),
-             4: run_cached("mixed-chunk", "overlap", "skip-relay-publish")}
+             3: saved("two-turn", "mlx", "fix-chained-accounting+no-forward-ct"),
+             4: saved("mixed-chunk", "overlap", "skip-relay-publish")}
     titles = {1: "Clause 1", 3: "Clause 3", 4: "Clause 4"}
     for clause, frames in cases.items():
         report = check(frames)
@@ -253,8 +271,9 @@ def test_clause_view_follows_the_violated_clause(two_turn, run_cached):
     assert views.clause_view(two_turn["normal"], rfc) is None
 
 
-def test_verdict_line_of_a_crashed_run(run_cached):
-    crashed = run_cached("two-turn", "mlx", "no-launch-ts")
+@pytest.mark.fast
+def test_verdict_line_of_a_crashed_run(saved):
+    crashed = saved("two-turn", "mlx", "no-launch-ts")
     line = views.verdict_line(crashed)
     assert line.startswith("verdict: ") and "every clause holds" not in line
     assert all(len(part) <= 100 for part in line.splitlines())
@@ -268,9 +287,10 @@ def test_findings_beyond_the_rfc_text():
     assert "req_to_token" not in text and "kv_committed_len" not in text
 
 
-def test_memory_pressure_and_extension_views(run_cached):
-    runs = [run_cached("memory-pressure", "normal"), run_cached("memory-pressure", "mlx"),
-            run_cached("memory-pressure", "mlx", "fix-chained-accounting")]
+@pytest.mark.fast
+def test_memory_pressure_and_extension_views(saved):
+    runs = [saved("memory-pressure", "normal"), saved("memory-pressure", "mlx"),
+            saved("memory-pressure", "mlx", "fix-chained-accounting")]
     torch, mlx, fixed = (views.memory_table(f) for f in runs)
     assert torch["retractions"].iloc[-1] > 0 and mlx["retractions"].iloc[-1] == 0
     assert fixed["retractions"].iloc[-1] == torch["retractions"].iloc[-1]

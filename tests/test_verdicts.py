@@ -35,6 +35,7 @@ def _check(*args: str) -> int:
     return main(["check", *args, "--clauses", "rfc", "--out", "/dev/null"])
 
 
+@pytest.mark.fast
 def test_exit_codes_are_the_documented_ones():
     assert {o.name: int(o) for o in Outcome} == {
         "PASS": 0, "VIOLATED": 1, "USAGE": 2, "NOT_FINISHED": 3, "VACUOUS": 4,
@@ -44,8 +45,9 @@ def test_exit_codes_are_the_documented_ones():
 # -- a run that did not finish is never a pass ------------------------------------------------
 
 
-def test_crafted_frames_of_a_crashed_run_are_not_ok(run_cached):
-    good = run_cached("two-turn", "overlap")
+@pytest.mark.fast
+def test_crafted_frames_of_a_crashed_run_are_not_ok(saved):
+    good = saved("two-turn", "overlap")
     crashed = contract_lib.Frames(tables=good.tables, meta={
         **copy.deepcopy(good.meta), "status": "crashed",
         "error": {"type": "RuntimeError", "phase": "loop", "message": "boom"}})
@@ -160,11 +162,12 @@ def test_a_declared_abort_is_not_vacuous(tmp_path):
     assert _check("--loop", "normal", "--workload", path) == 0
 
 
-def test_no_clause_exercised_is_vacuous_unless_declared(run_cached):
+@pytest.mark.fast
+def test_no_clause_exercised_is_vacuous_unless_declared(saved):
     """Crafted: the frames of a finished run in which nothing launched (a real run that
     launches nothing never ends: the capture stops a run only when its requests finish;
     even an aborted-only workload launches SGLang's one-token abort prefill)."""
-    frames = run_cached("single-decode", "normal")
+    frames = saved("single-decode", "normal")
     tables = {name: table.iloc[0:0] for name, table in frames.tables.items()}
     tables["steps"] = frames.steps.iloc[:1]
     idle = contract_lib.Frames(tables=tables, meta=copy.deepcopy(frames.meta))
@@ -178,6 +181,7 @@ def test_no_clause_exercised_is_vacuous_unless_declared(run_cached):
 @pytest.mark.parametrize("expect, error", [
     ('aborted = ["nope"]', "unknown request"), ("vacuous = 1", "true or false"),
     ("surprise = true", "unknown [expect] key")])
+@pytest.mark.fast
 def test_the_expect_table_is_validated(tmp_path, expect, error):
     path = _workload(tmp_path, LONG_PROMPT.format(expect=f"[expect]\n{expect}\n"))
     with pytest.raises(contract_lib.WorkloadError, match=error.replace("[", r"\[")):
@@ -214,6 +218,7 @@ def test_a_cli_server_arg_that_changes_the_loop_is_a_setup_error(capsys, loop, v
     assert f"--server-arg disable_overlap_schedule={value}" in capsys.readouterr().out
 
 
+@pytest.mark.fast
 def test_an_argument_that_turns_overlap_off_indirectly_is_named():
     """ServerArgs' post-init hooks can set disable_overlap_schedule from another argument
     (e.g. speculative decoding, the MPS backend): the one whose removal restores the
@@ -241,8 +246,9 @@ def test_a_loop_changed_after_the_build_is_refused_at_loop_entry(capsys):
     assert "asked for event_loop_overlap, but SGLang's dispatch entered event_loop_normal" in out
 
 
-def test_a_recorded_loop_mismatch_is_a_setup_error(run_cached):
-    frames = run_cached("two-turn", "overlap")
+@pytest.mark.fast
+def test_a_recorded_loop_mismatch_is_a_setup_error(saved):
+    frames = saved("two-turn", "overlap")
     other = contract_lib.Frames(tables=frames.tables, meta={
         **copy.deepcopy(frames.meta), "loop_function": "event_loop_normal"})
     assert check(other).verdict().outcome == Outcome.USAGE

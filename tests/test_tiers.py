@@ -1,0 +1,51 @@
+"""The fast tier is what it says: it passes in a process where SGLang (and torch, MLX,
+triton) cannot be imported, and collects the same tests as without the block; and its
+committed frames are those the real runs give today."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import contract_lib
+from conftest import FIXTURES, saved_frames
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _fast_tier(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-m", "fast", str(TESTS), "-q", *args],
+        cwd=TESTS.parent, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(TESTS)})
+
+
+def _passed(proc: subprocess.CompletedProcess) -> int:
+    found = re.search(r"(\d+) passed", proc.stdout)
+    return int(found.group(1)) if found else 0
+
+
+def test_the_fast_tier_passes_without_sglang_or_torch():
+    blocked = _fast_tier("-p", "no_sglang")
+    assert blocked.returncode == 0, blocked.stdout[-3000:]
+    listed = _fast_tier("--collect-only")
+    collected = int(re.search(r"(\d+)/\d+ tests collected", listed.stdout).group(1))
+    assert _passed(blocked) == collected > 50
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in FIXTURES.glob("*.json")))
+def test_the_committed_frames_are_todays_runs(run_cached, name):
+    """Else re-run ``scripts/make-fixtures`` (a change in what runs record, or in SGLang)."""
+    saved = saved_frames(*name.split(".", 2))
+    fresh = run_cached(*name.split(".", 2))
+    fresh = contract_lib.Frames.from_payload(json.loads(json.dumps(fresh.to_payload())))
+    assert (saved.status, saved.meta["steps"]) == (fresh.status, fresh.meta["steps"])
+    for table, frame in fresh.comparable().items():
+        pd.testing.assert_frame_equal(saved.comparable()[table], frame, obj=f"{name} {table}")
