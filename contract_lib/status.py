@@ -29,12 +29,12 @@ KV_POOL_ROW = "- KV pool (real MlxModelRunner)"
 # shows ``vacuous``: none of them earned ``holds``.
 SETUP_ERROR, VACUOUS = "setup-error", "vacuous"
 # A run the loop refused in set-up because SGLang, as built for it, cannot run what the
-# workload asks (e.g. page_size > 1 on MLX): not counted in the exit code, and shown in
-# a cell only when no workload ran there (the line under the table names it).
+# workload asks (e.g. page_size > 1 on MLX): it has no clause statuses (no cell counts
+# it), does not count in the exit code, and the line under the table names it.
 UNSUPPORTED = "unsupported"
 # Worst first: the status a (clause, loop) cell shows over several workloads.
 _SEVERITY = [VIOLATED, MASKED, SETUP_ERROR, "crashed", "died", "timeout", "interrupted",
-             VACUOUS, HOLDS, NOT_EXERCISED, UNSUPPORTED]
+             VACUOUS, HOLDS, NOT_EXERCISED]
 # The cell of a (clause, loop) whose every violating run is a catalogued SGLang-wide bug
 # (contract_lib.contract.sglang_finding): reported, and not a reference-loop failure.
 SGLANG_WIDE = "sglang-wide bug"
@@ -82,10 +82,13 @@ class Status:
     kv_damaged: dict[tuple[str, str], bool] = dataclasses.field(default_factory=dict)
 
     def per_run(self) -> pd.DataFrame:
-        """One row per (workload, loop, clause) with that run's status."""
+        """One row per (workload, loop, clause) with that run's status; none for a run
+        the loop refused as unsupported."""
         rows = []
         for (workload, loop), report in self.reports.items():
             fate = run_cell_status(report)
+            if fate == UNSUPPORTED:
+                continue
             for number, result in report.clauses.items():
                 shown = result.status if result.status in (VIOLATED, MASKED) else (
                     fate or result.status)
@@ -94,7 +97,8 @@ class Status:
                              "clause_status": result.status,
                              "violations": len(result.violations),
                              "finding": sglang_finding(number, result)})
-        return pd.DataFrame(rows)
+        return pd.DataFrame(rows, columns=["workload", "loop", "clause", "name", "status",
+                                           "clause_status", "violations", "finding"])
 
     def table(self) -> pd.DataFrame:
         """Clause x loop: the worst status over workloads, with how many it shows in."""
@@ -122,7 +126,7 @@ class Status:
                 worst = "damaged" if any(cell) else "intact"
                 row[loop] = f"{worst} ({sum(cell) if any(cell) else len(cell)}/{len(cell)})"
             rows.append(row)
-        return pd.DataFrame(rows).set_index("clause")
+        return pd.DataFrame(rows, columns=["clause", *columns]).set_index("clause")
 
     def runs_not_finished(self) -> list[tuple[str, str, str]]:
         """(workload, loop, what happened) of every run that did not earn its clause
@@ -136,7 +140,11 @@ class Status:
 
     def outcome(self) -> Outcome:
         """The exit code of ``status``: a run that did not finish (3), failed in set-up
-        (2) or was vacuous (4), or a violation on a torch reference loop (1)."""
+        (2) or was vacuous (4), or a violation on a torch reference loop (1). A run the
+        loop refused as unsupported counts for nothing, but a table of nothing else
+        (every run refused) is a usage error (2): no verdict was earned."""
+        if self.reports and all(unsupported(r.meta) for r in self.reports.values()):
+            return Outcome.USAGE
         return worst(run_outcome(r, loop in registry.reference_names())
                      for (_, loop), r in self.reports.items())
 
@@ -156,7 +164,7 @@ class Status:
 
     def text(self) -> str:
         table = self.table()
-        width = max(len(c) for c in table.index) + 2
+        width = max((len(c) for c in table.index), default=len("clause")) + 2
         header = "clause".ljust(width) + "".join(f"{loop:<24}" for loop in table.columns)
         lines, previous = [header], None
         for clause in table.index:

@@ -9,6 +9,7 @@ import pytest
 
 import contract_lib
 from contract_lib.contract import HOLDS, check
+from contract_lib.status import Status
 from contract_lib.verdict import Outcome, unsupported
 from contract_lib.workloads import Workload, WorkloadError, load_workload
 
@@ -182,6 +183,18 @@ def test_page_size_4_is_refused_on_mlx(run_cached):
     assert reason is not None and "page_size=4" in reason and "\n" not in reason
     report = check(frames)
     assert report.verdict().outcome == Outcome.USAGE  # exit 2
+
+
+def test_status_lists_an_unsupported_run_and_does_not_fail_on_it(run_cached):
+    refused = check(run_cached("page-size-4", "mlx"))
+    alone = Status({("page-size-4", "mlx"): refused})
+    assert alone.outcome() == Outcome.USAGE  # nothing ran: no verdict earned
+    assert "run page-size-4 on mlx: unsupported: " in alone.text()
+    both = Status({("page-size-4", "mlx"): refused,
+                   ("page-size-4", "normal"): check(run_cached("page-size-4", "normal"))})
+    assert both.outcome() == Outcome.PASS
+    assert set(both.per_run()["loop"]) == {"normal"}  # no clause cell counts the refusal
+    assert list(both.table().columns) == ["normal"]
 
 
 @pytest.mark.releases
