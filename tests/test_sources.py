@@ -1,7 +1,8 @@
 """SGLang from anywhere: a source tree (``--sglang PATH``) and upstream diffs (``--diff``).
 
-The ``fast`` tests build scratch copies and hash trees without running SGLang; the others
-drive a real loop from a git checkout built here from the installed package (no network).
+The ``fast`` tests check and hash small trees made here; the others build scratch copies
+of the installed SGLang (thousands of files) or drive a real loop from a git checkout built
+here from the installed package (no network).
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ def _edit(path: Path, text: str) -> None:
 # -- diffs -------------------------------------------------------------------------------------
 
 
-@pytest.mark.fast
 def test_a_diff_applies_to_a_hard_linked_scratch_copy_reused_by_digest(diffs_dir):
     source = sources.resolve(None, [GOOD])
     package = source.sglang_dir / "sglang"
@@ -75,7 +75,6 @@ def test_a_diff_applies_to_a_hard_linked_scratch_copy_reused_by_digest(diffs_dir
         source.sglang_dir.parent.name]
 
 
-@pytest.mark.fast
 def test_concurrent_builds_of_one_copy_all_get_it(diffs_dir):
     """Processes building the same scratch copy at once: one builds, all get it."""
     code = ("import sys; from contract_lib import sources; "
@@ -91,7 +90,6 @@ def test_concurrent_builds_of_one_copy_all_get_it(diffs_dir):
         ".build.lock", Path(results[0][0].strip()).parent.name]
 
 
-@pytest.mark.fast
 def test_a_diff_that_does_not_apply_names_its_hunk_and_leaves_nothing(diffs_dir):
     with pytest.raises(sources.SourceError) as error:
         sources.resolve(None, [BAD])
@@ -103,7 +101,6 @@ def test_a_diff_that_does_not_apply_names_its_hunk_and_leaves_nothing(diffs_dir)
     assert [p.name for p in diffs_dir.iterdir()] == [".build.lock"]
 
 
-@pytest.mark.fast
 def test_cli_bad_diff_is_one_line_and_exit_2(diffs_dir, capsys):
     code = main(["check", "--loop", "mlx", "--workload", "two-turn", "--diff", str(BAD)])
     err = capsys.readouterr().err
@@ -125,7 +122,6 @@ def test_a_diff_in_another_layout_is_refused(tmp_path, diffs_dir, text, expected
         sources.resolve(None, [tmp_path / "missing.diff"])
 
 
-@pytest.mark.fast
 def test_a_pull_requests_files_outside_the_package_are_ignored(tmp_path, diffs_dir):
     """A pull request's diff also changes tests and docs: only python/sglang/ applies."""
     mixed = tmp_path / "pr.diff"
@@ -137,7 +133,6 @@ def test_a_pull_requests_files_outside_the_package_are_ignored(tmp_path, diffs_d
     assert not (source.sglang_dir.parent / "docs").exists()
 
 
-@pytest.mark.fast
 def test_diffs_apply_in_order_and_their_text_is_the_identity(tmp_path, diffs_dir):
     """A second diff that builds on the first applies only after it; editing a diff's
     text gives another scratch copy and identity (hence another cache key)."""
@@ -187,7 +182,6 @@ def test_a_tree_missing_pieces_says_what_in_one_line(tmp_path):
         sources.resolve(str(tmp_path / "nowhere"))
 
 
-@pytest.mark.fast
 def test_a_checkout_is_accepted_at_its_root_or_python_folder(checkout):
     by_root, by_python = sources.resolve(str(checkout)), sources.resolve(checkout / "python")
     assert by_root == by_python
