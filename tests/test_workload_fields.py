@@ -64,6 +64,24 @@ def test_stop_tokens_identical_across_loops(run_cached):
     assert tokens["overlap"] == tokens["normal"] and tokens["mlx"] == tokens["normal"]
 
 
+def test_scripted_tokens_survive_retraction_and_chunked_prefill():
+    """The script is keyed by output position (``seq_len`` minus the prompt), not by
+    launch: a request the torch loops retract and re-prefill in chunks of 4 still stops
+    at its scripted position, with the MLX loop's tokens (which never retracts)."""
+    raw = load_workload("memory-pressure").to_dict()
+    raw["server_args"]["chunked_prefill_size"] = 4
+    for request in raw["requests"]:
+        request.update(emit=[[30, 2]] if request["rid"] in "ac" else [[35, 7]],
+                       stop_token_ids=[7])
+    workload = Workload.from_dict(raw)
+    runs = {loop: _finished(contract_lib.run(workload, loop)) for loop in LOOPS}
+    assert max(_last(runs["normal"])[r]["retractions"] for r in "abcd") >= 1
+    tokens = runs["normal"].output_tokens()
+    assert {rid: (len(t), t[-1]) for rid, t in tokens.items()} == {
+        "a": (31, 2), "b": (36, 7), "c": (31, 2), "d": (36, 7)}
+    assert runs["overlap"].output_tokens() == tokens == runs["mlx"].output_tokens()
+
+
 @pytest.mark.parametrize("loop", TORCH)
 def test_stop_tokens_torch_loops_hold_the_contract(run_cached, loop):
     frames = run_cached("stop-tokens", loop)
