@@ -191,8 +191,14 @@ def test_page_size_4_same_tokens_as_page_size_1(run_cached):
     paged = run_cached("page-size-4", "normal").output_tokens()
     assert run_cached("page-size-4", "overlap").output_tokens() == paged
     unpaged = load_workload("page-size-4")
-    unpaged = Workload.from_dict({**unpaged.to_dict(), "server_args": {}})
-    assert contract_lib.run(unpaged, "normal").output_tokens() == paged
+    unpaged = contract_lib.run(Workload.from_dict({**unpaged.to_dict(), "server_args": {}}),
+                               "normal")
+    assert unpaged.output_tokens() == paged
+    # The second turn's radix match is the unpaged one rounded down to whole pages.
+    paged_reuse, unpaged_reuse = (int(_last(f)["a2"]["cached_tokens"])
+                                  for f in (run_cached("page-size-4", "normal"), unpaged))
+    assert unpaged_reuse % 4  # this workload's match does end inside a page
+    assert paged_reuse == unpaged_reuse // 4 * 4
 
 
 def test_page_size_4_is_refused_on_mlx(run_cached):
