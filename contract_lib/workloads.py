@@ -130,6 +130,13 @@ class Workload:
         the workload's ``emit`` says (requests without a script are absent)."""
         return {spec.rid: dict(spec.emit) for spec in self.requests if spec.emit}
 
+    def free_running(self) -> bool:
+        """Whether every request's output is the model's own greedy continuation up to
+        ``max_new_tokens``: no scripted token, stop list or abort cuts or shapes it (then
+        a reference model's generation, e.g. mlx-lm's, is what the run must emit)."""
+        return not any(spec.emit or spec.stop_token_ids or spec.abort_at is not None
+                       for spec in self.requests)
+
     def expected_outcomes(self) -> dict[str, Any]:
         """``[expect]`` with the scripted aborts added to ``aborted``: an abort the
         workload sends is an outcome it means to produce."""
