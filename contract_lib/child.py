@@ -18,7 +18,7 @@ from typing import Any
 from contract_lib import cache as frame_cache
 from contract_lib import loops
 from contract_lib.paths import MODEL_DIR
-from contract_lib.protocol import LoopMismatch, RunSetupError, error_record
+from contract_lib.protocol import LoopMismatch, RunSetupError, Unsupported, error_record
 from contract_lib.serverargs import accepted_kinds, problems
 from contract_lib.workloads import Workload
 
@@ -157,6 +157,13 @@ def _build(spec: dict[str, Any], loop_spec: loops.LoopSpec, emit,
     apply_patch(spec["patch"])
 
     workload = Workload.from_dict(spec["workload"])
+    if runner == "real" and workload.scripted_tokens():
+        raise Unsupported(
+            "the workload scripts the model-free forward (emit), which --runner real "
+            "replaces with a real model; run it with the model-free runner")
+    if loop_spec.family == loops.OMNI:
+        _refuse_on_omni(workload)
+    shims.install_token_script(workload.scripted_tokens())
     model_dir = spec["model_dir"] if runner == "real" else str(MODEL_DIR)
     args = {**BASE_SERVER_ARGS, "model_path": model_dir,
             "disable_overlap_schedule": loop_spec.disable_overlap_schedule,
@@ -183,7 +190,8 @@ def _build(spec: dict[str, Any], loop_spec: loops.LoopSpec, emit,
         timing["build_s"] = time.perf_counter() - built
         scheduler.request_receiver = shims.ScriptedReceiver()
         applied.append("scripted-ingress")
-    emit(("meta", {"shims": applied, "expect": workload.expect,
+    _check_page_size(scheduler, loop_spec.name, triton="triton-standin" not in applied)
+    emit(("meta", {"shims": applied, "expect": workload.expected_outcomes(),
                    "enable_overlap": bool(scheduler.enable_overlap),
                    "enable_overlap_mlx": bool(scheduler.enable_overlap_mlx)}))
     _record_loop_entry(scheduler, loop_spec, emit)
@@ -198,6 +206,45 @@ def _build(spec: dict[str, Any], loop_spec: loops.LoopSpec, emit,
         kv_recorder = KvPoolRecorder(scheduler, recorder, emit, model_dir)
         kv_recorder.install()
     return scheduler, recorder, kv_recorder
+
+
+def _refuse_on_omni(workload: Workload) -> None:
+    """Aborts and priorities go through SGLang's ingress (``AbortReq``, the request's
+    ``priority``); sglang-omni's ingress is its inbox of pipeline messages, which this
+    project does not script for them."""
+    fields = [f for f in ("abort_at", "priority")
+              if any(getattr(r, f) is not None for r in workload.requests)]
+    if fields:
+        raise Unsupported(f"loop omni does not take {' or '.join(fields)}: aborts and "
+                          "priorities are not scripted through sglang-omni's inbox "
+                          "ingress; run this workload on normal, overlap or mlx")
+
+
+def _check_page_size(scheduler, loop: str, triton: bool) -> None:
+    """Refuse, before the loop, a page size the KV allocator SGLang built cannot serve.
+
+    With ``page_size > 1`` the scheduler allocates through the paged path
+    (``alloc_extend`` / ``alloc_decode``), which a token-level allocator (page size 1)
+    fails at the first prefill ("alloc_extend is only for paged allocator"). SGLang's MLX
+    backend (``MlxModelRunnerStub``) builds a token-level allocator whatever the page
+    size; the torch loops' bookkeeping runner builds the paged one SGLang's model runner
+    builds (:mod:`contract_lib.shims`). A paged allocator without a native path (no
+    ``use_triton_kernels`` switch: 0.5.21) launches Triton kernels, which need a real
+    ``triton`` (``triton``: False where SGLang's stand-in was loaded)."""
+    from importlib import metadata
+
+    wanted = int(scheduler.server_args.page_size or 1)
+    allocator = scheduler.token_to_kv_pool_allocator
+    if allocator.page_size != wanted:
+        raise Unsupported(
+            f"page_size={wanted} is not supported on loop {loop}: SGLang built a KV "
+            f"allocator of page size {allocator.page_size} ({type(allocator).__name__}), "
+            "which the scheduler's paged path would fail on at the first prefill")
+    if wanted > 1 and not triton and getattr(allocator, "use_triton_kernels", True):
+        raise Unsupported(
+            f"page_size={wanted} is not supported on loop {loop} with sglang "
+            f"{metadata.version('sglang')}: its {type(allocator).__name__} launches Triton "
+            "kernels only (no native path), and this machine has no Triton")
 
 
 def _check_overlap_arg(loop_spec: loops.LoopSpec, server_args, args: dict[str, Any],

@@ -19,6 +19,7 @@ before the build; the venv is never modified.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sys
@@ -110,5 +111,6 @@ def build_scheduler(server_args):
         tp_worker=worker, tree_cache=tree_cache, req_to_token_pool=req_to_token_pool,
         token_to_kv_pool_allocator=allocator, server_args=server_args,
         model_config=model_config, model_runner=ModelRunner(worker, SGLangOutputProcessor()),
-        request_builder=shims.omni_request_builder,
+        request_builder=functools.partial(shims.omni_request_builder,
+                                          eos_token_ids=model_config.hf_eos_token_id),
         result_adapter=shims.omni_result_adapter, enable_async_decode=True)

@@ -38,6 +38,12 @@ class LoopMismatch(RuntimeError):
     asked for; the run stops in set-up, before the loop, naming the argument."""
 
 
+class Unsupported(RunSetupError):
+    """(In the child.) What the workload asks cannot run on this loop or runner as SGLang
+    built it (e.g. a page size the MLX backend's KV allocator cannot serve); the run stops
+    in set-up with one line saying why."""
+
+
 def error_record(message: str, exc: BaseException | None = None,
                  phase: str = "loop") -> dict[str, Any]:
     """The ``error`` of a run that ended on ``exc`` (or on a plain message)."""

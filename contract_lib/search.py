@@ -166,8 +166,9 @@ def workloads(draw: Callable[[st.SearchStrategy], Any]) -> Workload:
 def _server_args(draw, longest: int) -> dict[str, Any]:
     """Overrides drawn one by one, each absent unless drawn (absent shrinks first). The
     KV pool is 8-40 tokens above the longest request's context: small enough that
-    concurrent requests run out of it, never so small that one alone cannot fit. No ``page_size``: above 1 it
-    crashes every loop on this CPU path ("alloc_extend is only for paged allocator")."""
+    concurrent requests run out of it, never so small that one alone cannot fit. No
+    ``page_size``: the MLX loop refuses any value above 1 (SGLang's MLX backend builds a
+    token-level KV allocator), so the example would only be rejected there."""
     args: dict[str, Any] = {}
     choices = {
         "chunked_prefill_size": st.sampled_from((8, 16, 32)),

@@ -15,7 +15,7 @@ from contract_lib.contract import (CLAUSES, EXTENDED_FIELDS, HOLDS, MASKED, NOT_
 from contract_lib import loops as registry
 from contract_lib.harness import frames_or_raise, run_many
 from contract_lib.patches import PatchArg, patch_spec
-from contract_lib.verdict import Outcome, loop_mismatch, setup_failed, worst
+from contract_lib.verdict import Outcome, loop_mismatch, setup_failed, unsupported, worst
 from contract_lib.workloads import workload_names
 
 # The extra row of a real-runner table: did a run write KV through slot 0 or into another
@@ -28,6 +28,10 @@ KV_POOL_ROW = "- KV pool (real MlxModelRunner)"
 # and a finished but vacuous run (no clause exercised, an unexpected aborted request)
 # shows ``vacuous``: none of them earned ``holds``.
 SETUP_ERROR, VACUOUS = "setup-error", "vacuous"
+# A run the loop refused in set-up because SGLang, as built for it, cannot run what the
+# workload asks (e.g. page_size > 1 on MLX): it has no clause statuses (no cell counts
+# it), does not count in the exit code, and the line under the table names it.
+UNSUPPORTED = "unsupported"
 # Worst first: the status a (clause, loop) cell shows over several workloads.
 _SEVERITY = [VIOLATED, MASKED, SETUP_ERROR, "crashed", "died", "timeout", "interrupted",
              VACUOUS, HOLDS, NOT_EXERCISED]
@@ -40,6 +44,8 @@ def run_cell_status(report: Report) -> str | None:
     """What a run's non-violated clause cells show instead of their own status, or None
     when the run earned its clause statuses."""
     meta = report.meta
+    if unsupported(meta):
+        return UNSUPPORTED
     if setup_failed(meta) or loop_mismatch(meta):
         return SETUP_ERROR
     if meta["status"] != "finished":
@@ -51,7 +57,9 @@ def run_outcome(report: Report, reference: bool) -> Outcome:
     """A run's contribution to ``status``'s exit code: its fate, and a clause violation
     only on a reference (torch) loop and not as a catalogued SGLang-wide bug
     (:func:`contract_lib.contract.sglang_finding`); the MLX loop's violations are the
-    measurement."""
+    measurement. A run the loop refused as unsupported counts for nothing."""
+    if unsupported(report.meta):
+        return Outcome.PASS
     outcome = report.verdict().outcome
     if outcome != Outcome.VIOLATED:
         return outcome
@@ -74,10 +82,13 @@ class Status:
     kv_damaged: dict[tuple[str, str], bool] = dataclasses.field(default_factory=dict)
 
     def per_run(self) -> pd.DataFrame:
-        """One row per (workload, loop, clause) with that run's status."""
+        """One row per (workload, loop, clause) with that run's status; none for a run
+        the loop refused as unsupported."""
         rows = []
         for (workload, loop), report in self.reports.items():
             fate = run_cell_status(report)
+            if fate == UNSUPPORTED:
+                continue
             for number, result in report.clauses.items():
                 shown = result.status if result.status in (VIOLATED, MASKED) else (
                     fate or result.status)
@@ -86,7 +97,8 @@ class Status:
                              "clause_status": result.status,
                              "violations": len(result.violations),
                              "finding": sglang_finding(number, result)})
-        return pd.DataFrame(rows)
+        return pd.DataFrame(rows, columns=["workload", "loop", "clause", "name", "status",
+                                           "clause_status", "violations", "finding"])
 
     def table(self) -> pd.DataFrame:
         """Clause x loop: the worst status over workloads, with how many it shows in."""
@@ -114,7 +126,7 @@ class Status:
                 worst = "damaged" if any(cell) else "intact"
                 row[loop] = f"{worst} ({sum(cell) if any(cell) else len(cell)}/{len(cell)})"
             rows.append(row)
-        return pd.DataFrame(rows).set_index("clause")
+        return pd.DataFrame(rows, columns=["clause", *columns]).set_index("clause")
 
     def runs_not_finished(self) -> list[tuple[str, str, str]]:
         """(workload, loop, what happened) of every run that did not earn its clause
@@ -128,7 +140,11 @@ class Status:
 
     def outcome(self) -> Outcome:
         """The exit code of ``status``: a run that did not finish (3), failed in set-up
-        (2) or was vacuous (4), or a violation on a torch reference loop (1)."""
+        (2) or was vacuous (4), or a violation on a torch reference loop (1). A run the
+        loop refused as unsupported counts for nothing, but a table of nothing else
+        (every run refused) is a usage error (2): no verdict was earned."""
+        if self.reports and all(unsupported(r.meta) for r in self.reports.values()):
+            return Outcome.USAGE
         return worst(run_outcome(r, loop in registry.reference_names())
                      for (_, loop), r in self.reports.items())
 
@@ -148,7 +164,7 @@ class Status:
 
     def text(self) -> str:
         table = self.table()
-        width = max(len(c) for c in table.index) + 2
+        width = max((len(c) for c in table.index), default=len("clause")) + 2
         header = "clause".ljust(width) + "".join(f"{loop:<24}" for loop in table.columns)
         lines, previous = [header], None
         for clause in table.index:

@@ -86,6 +86,16 @@ def setup_failed(meta: dict) -> bool:
     return meta.get("status") != "finished" and error.get("phase") == "setup"
 
 
+def unsupported(meta: dict) -> str | None:
+    """Why the loop, as SGLang built it, refused the workload in set-up
+    (:class:`contract_lib.protocol.Unsupported`, e.g. a page size the MLX backend's KV
+    allocator cannot serve), or None. Still a set-up error for ``run``/``check``."""
+    error = meta.get("error") or {}
+    if setup_failed(meta) and error.get("type") == "Unsupported":
+        return error.get("message")
+    return None
+
+
 def loop_mismatch(meta: dict) -> str | None:
     """Why the loop that ran is not the loop asked for, or None. Runs recorded before the
     loop function was recorded (no ``loop_function`` in meta) are not judged here."""

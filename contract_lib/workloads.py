@@ -22,6 +22,32 @@ A workload is a TOML file under ``data/workloads/``::
     max_new_tokens = 4
     arrival = 20                   # earliest step; held until "a" has finished
 
+Optional request fields, for what bug reports say (defaults in brackets):
+
+    stop_token_ids = [7]           # SamplingParams.stop_token_ids [none]: a request
+                                   # finishes ("stop") when it emits one of them
+    emit = { 3 = 7 }               # the model-free forward emits token 7 as output
+                                   # token 3 (0-based) of this request [none]; how a stop
+                                   # token or the model's EOS (id 2) is made to appear
+    ignore_eos = true              # SamplingParams.ignore_eos [false]: no stop on EOS or
+                                   # stop_token_ids; the scheduler then also reserves the
+                                   # full max_new_tokens when admitting the request
+    abort_at = 6                   # at this step SGLang's own AbortReq for the request
+                                   # goes through the same ingress as requests [none]; sent
+                                   # once the request itself has been fed
+    priority = 5                   # the request's priority [none]; needs
+                                   # enable_priority_scheduling = true under [server_args]
+
+``emit`` is the model-free forward's script: the token at output position *k* of the
+request is a function of the request and *k* only, so every loop emits the same tokens.
+It has no meaning for ``--runner real`` (a real model), which refuses it. SGLang matches
+an abort by request-id *prefix*, so a request with ``abort_at`` must not have an id that
+begins another request's id. A scripted abort is an expected outcome (as if listed under
+``[expect] aborted``). SGLang refuses ``min_new_tokens`` without a tokenizer
+(``skip_tokenizer_init``, which model-free runs need), so the format has none.
+``page_size`` is a ServerArgs override like any other: the torch
+loops build the paged KV allocator SGLang's model runner builds for it.
+
     [expect]                       # optional: outcomes the workload means to produce
     aborted = ["a2"]               # requests SGLang is expected to abort (e.g. a prompt
                                    # longer than the model's context)
@@ -30,7 +56,8 @@ A workload is a TOML file under ``data/workloads/``::
 Without ``[expect]``, a request SGLang aborts or a run that exercises no clause makes
 ``check`` exit 4 (vacuous, :mod:`contract_lib.verdict`).
 
-Token ids below 10 are reserved (the fake model never emits them; 2 is EOS).
+Token ids below 10 are reserved: prompts cannot use them and the fake model never emits
+them unless ``emit`` says so (2 is EOS).
 """
 
 from __future__ import annotations
@@ -48,6 +75,11 @@ FIRST_ORDINARY_TOKEN = 10
 
 
 EXPECT_KEYS = {"aborted", "vacuous"}
+REQUEST_KEYS = {"rid", "prompt", "prompt_range", "max_new_tokens", "arrival", "turn_of",
+                "stop_token_ids", "emit", "ignore_eos", "abort_at", "priority"}
+# The ServerArgs switches under which SGLang reads a request's priority (without either
+# it ignores the priority).
+PRIORITY_SWITCHES = ("enable_priority_scheduling", "abort_on_priority_when_disabled")
 
 
 class WorkloadError(ValueError):
@@ -67,6 +99,18 @@ class RequestSpec:
     max_new_tokens: int
     arrival: int = 0
     turn_of: str | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    # (output position, token) pairs the model-free forward emits, by position.
+    emit: tuple[tuple[int, int], ...] = ()
+    ignore_eos: bool = False
+    abort_at: int | None = None  # step at which SGLang's AbortReq for it is sent
+    priority: int | None = None
+
+    def sampling(self) -> dict[str, Any]:
+        """The ``SamplingParams`` keyword arguments this request sets (greedy)."""
+        return {"max_new_tokens": self.max_new_tokens, "temperature": 0.0,
+                "stop_token_ids": list(self.stop_token_ids) or None,
+                "ignore_eos": self.ignore_eos}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +124,26 @@ class Workload:
     max_steps: int = 200
     # Declared expected outcomes: ``aborted`` (request ids), ``vacuous`` (bool).
     expect: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def scripted_tokens(self) -> dict[str, dict[int, int]]:
+        """``{rid: {output position: token}}``: what the model-free forward emits where
+        the workload's ``emit`` says (requests without a script are absent)."""
+        return {spec.rid: dict(spec.emit) for spec in self.requests if spec.emit}
+
+    def free_running(self) -> bool:
+        """Whether every request's output is the model's own greedy continuation up to
+        ``max_new_tokens``: no scripted token, stop list or abort cuts or shapes it (then
+        a reference model's generation, e.g. mlx-lm's, is what the run must emit)."""
+        return not any(spec.emit or spec.stop_token_ids or spec.abort_at is not None
+                       for spec in self.requests)
+
+    def expected_outcomes(self) -> dict[str, Any]:
+        """``[expect]`` with the scripted aborts added to ``aborted``: an abort the
+        workload sends is an outcome it means to produce."""
+        sent = [spec.rid for spec in self.requests if spec.abort_at is not None]
+        declared = list(self.expect.get("aborted", []))
+        aborted = declared + [rid for rid in sent if rid not in declared]
+        return {**self.expect, "aborted": aborted} if aborted else dict(self.expect)
 
     def request(self, rid: str) -> RequestSpec:
         for spec in self.requests:
@@ -134,8 +198,38 @@ class Workload:
                 raise WorkloadError(f"{where} uses reserved ids < {FIRST_ORDINARY_TOKEN}")
             _require_int(spec.max_new_tokens, "max_new_tokens", where, minimum=1)
             _require_int(spec.arrival, "arrival", where, minimum=0)
+            self._validate_bug_report_fields(spec, where, rids)
 
         self._validate_expect(source, rids)
+
+    def _validate_bug_report_fields(self, spec: RequestSpec, where: str,
+                                    rids: list[str]) -> None:
+        """Stop tokens, the forward's script, sampling switches, aborts, priorities."""
+        for token in spec.stop_token_ids:
+            _require_int(token, "stop_token_ids entry", where, minimum=0)
+        for position, token in spec.emit:
+            _require_int(token, f"emit token (position {position})", where, minimum=0)
+            if position >= spec.max_new_tokens:
+                raise WorkloadError(
+                    f"{where}: emit position {position} is past the request's output "
+                    f"(positions 0..{spec.max_new_tokens - 1}, max_new_tokens "
+                    f"{spec.max_new_tokens})")
+        if not isinstance(spec.ignore_eos, bool):
+            raise WorkloadError(f"{where}: ignore_eos must be true or false, got "
+                                f"{spec.ignore_eos!r}")
+        if spec.abort_at is not None:
+            _require_int(spec.abort_at, "abort_at", where, minimum=spec.arrival)
+            prefixed = [r for r in rids if r != spec.rid and r.startswith(spec.rid)]
+            if prefixed:
+                raise WorkloadError(
+                    f"{where} has abort_at, but SGLang matches an abort by request-id "
+                    f"prefix, so it would also abort {prefixed}; rename the requests")
+        if spec.priority is not None:
+            _require_int(spec.priority, "priority", where)
+            if not any(self.server_args.get(k) is True for k in PRIORITY_SWITCHES):
+                raise WorkloadError(
+                    f"{where} has a priority, which SGLang ignores unless "
+                    "enable_priority_scheduling = true is set under [server_args]")
 
     def _validate_expect(self, source: str, rids: list[str]) -> None:
         unknown = set(self.expect) - EXPECT_KEYS
@@ -155,14 +249,18 @@ class Workload:
                                 f"{self.expect['vacuous']!r}")
 
     def check_vocabulary(self, vocab_size: int, source: str = "<workload>") -> None:
-        """Every prompt token id must be below the model's ``vocab_size``."""
+        """Every prompt, stop and scripted token id must be below the model's
+        ``vocab_size``."""
         for spec in self.requests:
-            outside = [t for t in spec.prompt if t >= vocab_size]
-            if outside:
-                raise WorkloadError(
-                    f"{source}: request {spec.rid!r} uses token ids {outside[:5]} outside "
-                    f"the model's vocabulary (ids 0..{vocab_size - 1}, vocab_size "
-                    f"{vocab_size})")
+            for what, tokens in (("token ids", spec.prompt),
+                                 ("stop_token_ids", spec.stop_token_ids),
+                                 ("emit tokens", [t for _, t in spec.emit])):
+                outside = [t for t in tokens if t >= vocab_size]
+                if outside:
+                    raise WorkloadError(
+                        f"{source}: request {spec.rid!r} uses {what} {outside[:5]} outside "
+                        f"the model's vocabulary (ids 0..{vocab_size - 1}, vocab_size "
+                        f"{vocab_size})")
 
 
 def _require_int(value: Any, field: str, where: str, minimum: int | None = None) -> None:
@@ -177,6 +275,10 @@ def _require_int(value: Any, field: str, where: str, minimum: int | None = None)
 def _request_from_dict(raw: dict[str, Any]) -> RequestSpec:
     """Field values are kept as written; :meth:`Workload.validate` checks their types."""
     rid = str(raw["rid"])
+    unknown = set(raw) - REQUEST_KEYS
+    if unknown:
+        raise WorkloadError(f"request {rid!r}: unknown field(s) {sorted(unknown)}; valid "
+                            f"fields: {', '.join(sorted(REQUEST_KEYS))}")
     if "prompt_range" in raw:
         start, stop = raw["prompt_range"]
         for bound in (start, stop):
@@ -190,7 +292,42 @@ def _request_from_dict(raw: dict[str, Any]) -> RequestSpec:
         max_new_tokens=raw["max_new_tokens"],
         arrival=raw.get("arrival", 0),
         turn_of=raw.get("turn_of"),
+        stop_token_ids=_int_list(raw.get("stop_token_ids", ()), "stop_token_ids", rid),
+        emit=_emit_pairs(raw.get("emit", ()), rid),
+        ignore_eos=raw.get("ignore_eos", False),
+        abort_at=raw.get("abort_at"),
+        priority=raw.get("priority"),
     )
+
+
+def _int_list(value: Any, field: str, rid: str) -> tuple:
+    """A TOML array, kept as a tuple (its entries are checked by ``validate``)."""
+    if not isinstance(value, (list, tuple)):
+        raise WorkloadError(f"request {rid!r}: {field} must be a list of token ids, got "
+                            f"{value!r}")
+    return tuple(value)
+
+
+def _emit_pairs(value: Any, rid: str) -> tuple[tuple[int, Any], ...]:
+    """``emit`` as (position, token) pairs sorted by position: from a TOML table
+    ``{3 = 7}`` (whose keys are strings) or from pairs (:meth:`Workload.to_dict`'s round
+    trip). Positions are checked here, tokens by ``validate``."""
+    where = f"request {rid!r}"
+    if isinstance(value, dict):
+        pairs = [(int(k) if isinstance(k, str) and k.isdigit() else k, t)
+                 for k, t in value.items()]
+    elif isinstance(value, (list, tuple)) and all(
+            isinstance(p, (list, tuple)) and len(p) == 2 for p in value):
+        pairs = [tuple(p) for p in value]
+    else:
+        raise WorkloadError(f"{where}: emit must be a table of output position = token, "
+                            f"e.g. emit = {{ 3 = 2 }}, got {value!r}")
+    for position, _ in pairs:
+        _require_int(position, "emit position", where, minimum=0)
+    positions = [p for p, _ in pairs]
+    if len(set(positions)) != len(positions):
+        raise WorkloadError(f"{where}: emit names a position twice: {positions}")
+    return tuple(sorted(pairs))
 
 
 def workload_names() -> list[str]:

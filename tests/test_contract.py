@@ -8,6 +8,7 @@ import contract_lib
 from contract_lib.cli import main
 from contract_lib.contract import (HOLDS, MASKED, NOT_EXERCISED, VIOLATED, ContractViolation,
                                    assert_contract, check)
+from contract_lib.verdict import unsupported
 
 WORKLOADS = contract_lib.workload_names()
 
@@ -191,7 +192,10 @@ def test_mixed_chunk_reads_unpublished_relay_on_mlx_only(run_cached):
 
 def test_fix_chained_accounting_turns_clauses_1_and_2_green(run_cached):
     for workload in WORKLOADS:
-        report = check(run_cached(workload, "mlx", "fix-chained-accounting"))
+        frames = run_cached(workload, "mlx", "fix-chained-accounting")
+        if unsupported(frames.meta):  # e.g. page_size > 1 on MLX
+            continue
+        report = check(frames)
         assert report.clauses[1].status == HOLDS, workload
         assert report.clauses[2].status == HOLDS, workload
         assert report.pool.empty, workload  # no leaked slot, finish-during-chain included

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import contract_lib
-from contract_lib import cache, sources
+from contract_lib import cache, sources, trees
 from contract_lib.cli import main
 from contract_lib.paths import DATA_DIR
 
@@ -193,7 +193,7 @@ def test_a_checkout_is_accepted_at_its_root_or_python_folder(checkout):
 
 @pytest.mark.fast
 def test_a_tree_digest_follows_its_contents(tmp_path, monkeypatch):
-    monkeypatch.setattr(sources, "TREE_HASHES_DIR", tmp_path / "hashes")
+    monkeypatch.setattr(trees, "TREE_HASHES_DIR", tmp_path / "hashes")
     root = tmp_path / "tree"
     (root / "sglang").mkdir(parents=True)
     module = root / "sglang" / "a.py"

@@ -7,6 +7,9 @@ records, and calls the original:
   requests are fed in and where the run is stopped.
 - ``Scheduler._add_request_to_queue`` (instance): keeps a registry of every ``Req``.
 - ``Scheduler.process_batch_result`` (instance): completes the launch record.
+- ``ipc_channels.send_to_tokenizer.send_output`` (instance): the ``AbortReq`` outputs by
+  which SGLang ends a request outside the output stream (an abort while it is queued
+  pops it without setting ``finished_reason``); recorded as that request's finish.
 - ``resolve_forward_inputs`` (the name imported by ``scheduler`` and the MLX mixin):
   relay reads; ``FutureMap.stash`` / ``stash_bonus_tokens`` (instance): relay writes.
 - The forward launch: the torch model-free forward calls :meth:`Recorder.on_torch_launch`;

@@ -33,9 +33,11 @@ def prefilled_tokens(batch) -> int:
 
 
 def free_slot_mask(allocator) -> np.ndarray:
-    """A mask over slot ids: True where the allocator holds the slot as free
-    (``free_pages`` or ``release_pages``)."""
-    mask = np.zeros(allocator.size + 1, dtype=bool)
-    mask[allocator.free_pages.numpy()] = True
-    mask[allocator.release_pages.numpy()] = True
+    """A mask over slot ids: True where the allocator holds the slot as free (its free
+    pages, released or staged ones included, as SGLang's own census
+    ``get_all_free_pages`` lists them; a page is ``page_size`` slots, page 0 reserved)."""
+    page = allocator.page_size
+    pages = allocator.get_all_free_pages().numpy()
+    mask = np.zeros((allocator.size // page + 1) * page, dtype=bool)
+    mask[(pages[:, None] * page + np.arange(page)).reshape(-1)] = True
     return mask

@@ -43,6 +43,7 @@ class HookInstaller:
             return real_process(batch, result, *args, **kwargs)
 
         setattr(s, boundary, ingest_requests)
+        self._install_abort_output_hook()
         if self.omni:
             real_build = s.request_builder
 
@@ -66,6 +67,22 @@ class HookInstaller:
         if self.mlx:
             self._install_mlx_launch_hooks()
         self.backend = BackendStateRecorder(self.s)
+
+    def _install_abort_output_hook(self) -> None:
+        """Record every ``AbortReq`` SGLang sends back for a request (each caller ends
+        the request); a request aborted while queued has no other trace of its end."""
+        from sglang.srt.managers.io_struct import AbortReq
+
+        sender = self.s.ipc_channels.send_to_tokenizer
+        real_send = sender.send_output
+
+        def send_output(output, *args, **kwargs):
+            if isinstance(output, AbortReq) and output.rid:
+                self.abort_outputs.setdefault(
+                    output.rid, dict(output.finished_reason or {"type": "abort"}))
+            return real_send(output, *args, **kwargs)
+
+        sender.send_output = send_output
 
     def _install_omni_resolve_hook(self) -> None:
         """Pair each lookahead launch with its resolve (``resolve_and_process``), in

@@ -12,8 +12,8 @@ from contract_lib.capture.hooks import HookInstaller
 from contract_lib.capture.launches import LaunchRecording
 from contract_lib.capture.snapshot import StepSnapshot
 from contract_lib.loops import OMNI, LoopSpec
-from contract_lib.shims import omni_request_message, tokenized_request
-from contract_lib.workloads import Workload
+from contract_lib.shims import abort_request, omni_request_message, tokenized_request
+from contract_lib.workloads import RequestSpec, Workload
 
 Emit = Callable[[tuple], None]
 
@@ -71,6 +71,9 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
         # decode_batch_idx counts the decode launches since).
         self.kv_prefilled: dict[str, int] = {}
         self.backend = None
+        # Requests SGLang ended with an ``AbortReq`` output: rid -> its finished_reason.
+        self.abort_outputs: dict[str, dict[str, Any]] = {}
+        self.aborts_sent: set[str] = set()
     # -- step boundary ----------------------------------------------------------------------
 
     def on_step_boundary(self) -> None:
@@ -115,9 +118,14 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
 
     def done(self) -> bool:
         return (len(self.fed) == len(self.workload.requests)
-                and all(req.finished() for req in self.reqs.values())
+                and all(self.ended(req) for req in self.reqs.values())
                 and len(self.reqs) == len(self.workload.requests)
                 and self._in_flight() == 0)
+
+    def ended(self, req) -> bool:
+        """Finished, or ended by an ``AbortReq`` output (SGLang pops a request aborted
+        while queued without setting its ``finished_reason``)."""
+        return bool(req.finished()) or req.rid in self.abort_outputs
 
     def _in_flight(self) -> int:
         """Launched steps not yet processed that the loop carries to its next iteration:
@@ -131,20 +139,30 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
         return bool(self.s.enable_overlap or (self.omni and self.s.enable_async_decode))
 
     def feed(self) -> None:
+        """Hand SGLang the requests due at this step, then the aborts due, each after
+        its request, through the same ingress."""
         for spec in self.workload.requests:
-            if spec.rid in self.fed or spec.arrival > self.step:
-                continue
-            prompt = list(spec.prompt)
-            if spec.turn_of is not None:
-                parent = self.reqs.get(spec.turn_of)
-                if parent is None or not parent.finished():
-                    continue
-                prompt = list(parent.origin_input_ids) + list(parent.output_ids) + prompt
-            if self.omni:
-                self.s.inbox.put(omni_request_message(spec.rid, prompt, spec.max_new_tokens))
-            else:
-                self.s.request_receiver.pending.append(tokenized_request(spec, prompt))
-            self.fed.add(spec.rid)
+            self._feed_request(spec)
+        for spec in self.workload.requests:
+            if (spec.abort_at is not None and spec.abort_at <= self.step
+                    and spec.rid in self.fed and spec.rid not in self.aborts_sent):
+                self.s.request_receiver.pending.append(abort_request(spec.rid))
+                self.aborts_sent.add(spec.rid)
+
+    def _feed_request(self, spec: RequestSpec) -> None:
+        if spec.rid in self.fed or spec.arrival > self.step:
+            return
+        prompt = list(spec.prompt)
+        if spec.turn_of is not None:
+            parent = self.reqs.get(spec.turn_of)
+            if parent is None or not self.ended(parent):
+                return
+            prompt = list(parent.origin_input_ids) + list(parent.output_ids) + prompt
+        if self.omni:
+            self.s.inbox.put(omni_request_message(spec.rid, prompt, spec.sampling()))
+        else:
+            self.s.request_receiver.pending.append(tokenized_request(spec, prompt))
+        self.fed.add(spec.rid)
 
     def finish(self) -> None:
         """Emit the outputs table (called once, whatever ended the run)."""

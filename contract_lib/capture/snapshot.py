@@ -36,10 +36,11 @@ class StepSnapshot:
         for index, (rid, req) in enumerate(self.reqs.items()):
             kv = req.kv
             row = kv.req_pool_idx
-            reason = req.finished_reason.to_json() if req.finished_reason else {}
+            reason = (req.finished_reason.to_json() if req.finished_reason
+                      else self.abort_outputs.get(rid, {}))
             rows.append(("requests", {
                 "step": step, "rid": rid, "prompt_len": len(req.origin_input_ids),
-                "emitted": len(req.output_ids), "finished": bool(req.finished()),
+                "emitted": len(req.output_ids), "finished": self.ended(req),
                 "req_pool_idx": row, "seq_len": self._seq_len(req, running, last),
                 "kv_computed": self.kv_computed.get(rid),
                 "kv_committed_len": kv.kv_committed_len,
@@ -51,7 +52,7 @@ class StepSnapshot:
                 "decode_batch_idx": getattr(req, "decode_batch_idx", None),
                 "kv_prefilled": self.kv_prefilled.get(rid),
             }))
-            if row is None or req.finished():
+            if row is None or self.ended(req):
                 continue
             width = max(self.kv_computed.get(rid, 0), kv.kv_allocated_len)
             entries = rtt[row, :width].numpy()

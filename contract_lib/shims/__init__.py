@@ -18,7 +18,8 @@ upstream bug of one release that stops a run from starting):
    its ``MlxAttentionKVPool``) on MLX's CPU backend; only two Metal-only opt-in flags are
    forced off (:func:`install_mlx_real_runner`).
 3. **Request ingress** (:mod:`.ingress`): the zmq receiver becomes a scripted one that
-   hands SGLang real ``TokenizedGenerateReqInput`` objects at chosen loop iterations.
+   hands SGLang real ``TokenizedGenerateReqInput`` objects (and SGLang's own
+   ``AbortReq``) at chosen loop iterations.
 
 The same three, and nothing else, for sglang-omni's ``OmniScheduler`` (loop ``omni``,
 :mod:`.omni`): its platform gates (its CPU platform; unpinned host staging), its model (the
@@ -28,10 +29,11 @@ The same three, and nothing else, for sglang-omni's ``OmniScheduler`` (loop ``om
 The capture hooks in :mod:`contract_lib.capture` only observe (they call through).
 """
 
-from contract_lib.shims.ingress import ScriptedReceiver, tokenized_request
+from contract_lib.shims.ingress import ScriptedReceiver, abort_request, tokenized_request
 from contract_lib.shims.mlx_runner import (ModelFreeMlxRunner, install_mlx_model_free_runner,
                                            install_mlx_real_runner, install_model_free_flush)
-from contract_lib.shims.model import VOCAB_SIZE, next_token
+from contract_lib.shims.model import (VOCAB_SIZE, install_token_script, next_token,
+                                      scripted_token)
 from contract_lib.shims.omni import (install_omni_model_free_runner,
                                      install_omni_model_free_worker, install_omni_platform,
                                      install_omni_unpinned_staging, omni_request_builder,
@@ -43,12 +45,14 @@ from contract_lib.shims.torch_forward import (bookkeeping_runner,
                                               model_free_result, model_free_tokens)
 
 __all__ = [
-    "ModelFreeMlxRunner", "ScriptedReceiver", "VOCAB_SIZE", "bookkeeping_runner",
+    "ModelFreeMlxRunner", "ScriptedReceiver", "VOCAB_SIZE", "abort_request",
+    "bookkeeping_runner",
     "install_import_shims", "install_mlx_model_free_runner", "install_mlx_real_runner",
     "install_mlx_runtime_gate_shim", "install_model_free_flush",
     "install_omni_model_free_runner", "install_omni_model_free_worker",
     "install_omni_platform", "install_omni_unpinned_staging",
-    "install_torch_model_free_forward", "model_free_result", "model_free_tokens",
-    "next_token", "omni_request_builder", "omni_request_message", "omni_result_adapter",
-    "on_apple_silicon_with_mlx", "scheduler_class_for", "tokenized_request",
+    "install_token_script", "install_torch_model_free_forward", "model_free_result",
+    "model_free_tokens", "next_token", "omni_request_builder", "omni_request_message", "omni_result_adapter",
+    "on_apple_silicon_with_mlx", "scheduler_class_for", "scripted_token",
+    "tokenized_request",
 ]

@@ -29,17 +29,26 @@ class ScriptedReceiver:
         return out
 
 
-
 def tokenized_request(spec: RequestSpec, prompt: list[int]):
-    """A real ``TokenizedGenerateReqInput``, greedy, as the tokenizer manager would send."""
+    """A real ``TokenizedGenerateReqInput``, greedy, with the request's stop tokens,
+    ``ignore_eos`` and priority, as the tokenizer manager would send it."""
     from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    params = SamplingParams(max_new_tokens=spec.max_new_tokens, temperature=0.0)
+    params = SamplingParams(**spec.sampling())
     params.normalize(None)
     params.verify(VOCAB_SIZE)
     return TokenizedGenerateReqInput(
         rid=spec.rid, input_text=None, input_ids=array.array("q", prompt),
         input_embeds=None, mm_inputs=None, token_type_ids=None, sampling_params=params,
         return_logprob=False, logprob_start_len=-1, top_logprobs_num=0,
-        token_ids_logprob=None, stream=False)
+        token_ids_logprob=None, stream=False, priority=spec.priority)
+
+
+def abort_request(rid: str):
+    """SGLang's own ``AbortReq`` for one request, as the tokenizer manager sends it when
+    a client aborts; it goes through the same ingress (``process_input_requests`` →
+    ``abort_request``)."""
+    from sglang.srt.managers.io_struct import AbortReq
+
+    return AbortReq(rid=rid)

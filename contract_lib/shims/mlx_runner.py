@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from contract_lib.shims.model import next_token
+from contract_lib.shims.model import next_token, scripted_token
 from contract_lib.shims.platform import on_apple_silicon_with_mlx
 
 
@@ -17,8 +17,9 @@ class _ModelFreeCache:
     graph is *built*, not when it is evaluated.
     """
 
-    def __init__(self, offset: int) -> None:
+    def __init__(self, offset: int, prompt_len: int) -> None:
         self.offset = offset
+        self.prompt_len = prompt_len  # where the request's output starts (the script)
 
 
 class ModelFreeMlxRunner:
@@ -81,11 +82,21 @@ class ModelFreeMlxRunner:
         self._req_pool_idx.pop(req_id, None)
 
     @staticmethod
-    def _lazy_next(last_tokens, seq_lens: list[int]):
-        """:func:`next_token` as a lazy ``mlx.core`` graph over a batch."""
+    def _lazy_next(last_tokens, seq_lens: list[int], rids: list[str],
+                   prompt_lens: list[int]):
+        """:func:`next_token` as a lazy ``mlx.core`` graph over a batch (``last_tokens``
+        may be the previous step's still-lazy tokens), with the scripted tokens
+        (:func:`scripted_token`) selected in the graph."""
         import mlx.core as mx
 
-        return next_token(last_tokens, mx.array(seq_lens, dtype=mx.int32))
+        tokens = next_token(last_tokens, mx.array(seq_lens, dtype=mx.int32))
+        scripted = [scripted_token(rid, n, p)
+                    for rid, n, p in zip(rids, seq_lens, prompt_lens)]
+        if all(t is None for t in scripted):
+            return tokens
+        return mx.where(mx.array([t is not None for t in scripted]),
+                        mx.array([0 if t is None else t for t in scripted], dtype=mx.int32),
+                        tokens)
 
     def prefill_start(self, req_id, new_token_ids, full_token_ids, prefix_slot_ids,
                       new_slot_ids, req_pool_idx, req=None, needs_logits=True,
@@ -94,9 +105,13 @@ class ModelFreeMlxRunner:
         from sglang.srt.hardware_backend.mlx.model_runner import MlxPendingPrefill
 
         full = list(full_token_ids)
-        token = self._lazy_next(mx.array([full[-1]], dtype=mx.int32), [len(full)])[0]
+        # The scheduler's request: where its output starts (a retracted request's
+        # re-prefill carries its earlier output in ``full``).
+        prompt_len = len(req.origin_input_ids) if req is not None else len(full)
+        token = self._lazy_next(mx.array([full[-1]], dtype=mx.int32), [len(full)],
+                                [req_id], [prompt_len])[0]
         return MlxPendingPrefill(
-            lazy_token=token, cache=[_ModelFreeCache(len(full))], req_id=req_id,
+            lazy_token=token, cache=[_ModelFreeCache(len(full), prompt_len)], req_id=req_id,
             full_token_ids=full, req_pool_idx=req_pool_idx,
             synced_offset=len(prefix_slot_ids) + len(new_slot_ids))
 
@@ -116,7 +131,7 @@ class ModelFreeMlxRunner:
         cache = self._req_caches[req_id]
         cache[0].offset += len(new_token_ids)
         token = self._lazy_next(mx.array([new_token_ids[-1]], dtype=mx.int32),
-                                [cache[0].offset])[0]
+                                [cache[0].offset], [req_id], [cache[0].prompt_len])[0]
         synced = self._req_synced_offset.get(req_id, 0)
         if not self.disable_radix_cache and new_slot_ids:
             synced += len(new_slot_ids)
@@ -138,7 +153,8 @@ class ModelFreeMlxRunner:
 
         for cache in caches:
             cache[0].offset += 1
-        tokens = self._lazy_next(last_tokens, [cache[0].offset for cache in caches])
+        tokens = self._lazy_next(last_tokens, [cache[0].offset for cache in caches],
+                                 list(req_ids), [cache[0].prompt_len for cache in caches])
         return MlxPendingDecode(lazy_tokens=tokens, req_ids=list(req_ids), caches=caches,
                                 logprob_spec=logprob_spec, edit_rows=edit_rows)
 

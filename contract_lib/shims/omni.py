@@ -120,11 +120,12 @@ def install_omni_model_free_runner(on_launch: Callable[[Any, list[int]], None]) 
     ModelRunner.custom_decode_forward = model_free_forward
 
 
-def omni_request_message(rid: str, prompt: list[int], max_new_tokens: int):
+def omni_request_message(rid: str, prompt: list[int], sampling: dict[str, Any]):
     """A ``new_request`` for the scheduler's inbox, as a pipeline stage would put it.
 
     Why: sglang-omni's ingress is ``OmniScheduler.inbox``, fed by a pipeline ``Stage``
-    that does not exist here. The payload carries the prompt token ids; what it goes
+    that does not exist here. The payload carries the prompt token ids and the
+    ``SamplingParams`` arguments (:meth:`RequestSpec.sampling`); what it goes
     through (``recv_requests`` → ``process_input_requests`` → the request builder →
     ``enqueue_built_request``) is sglang-omni's.
     """
@@ -132,17 +133,19 @@ def omni_request_message(rid: str, prompt: list[int], max_new_tokens: int):
     from sglang_omni.scheduling.message import IncomingMessage
 
     payload = StagePayload(request_id=rid, request=OmniRequest(
-        inputs=list(prompt), params={"max_new_tokens": max_new_tokens}), data=None)
+        inputs=list(prompt), params=dict(sampling)), data=None)
     return IncomingMessage(request_id=rid, type="new_request", data=payload)
 
 
-def omni_request_builder(payload):
+def omni_request_builder(payload, eos_token_ids=None):
     """The request builder: a greedy SGLang ``Req`` over the payload's token ids.
 
     Why: every sglang-omni model ships its own builder (tokenizer, chat template,
     multimodal inputs); this is the plain-LM one, written as sglang-omni's own builders
     write theirs (``models/nemotron_voicechat/request_builders.ar_request``), with the
-    sampling parameters the torch loops' scripted requests carry.
+    sampling parameters the torch loops' scripted requests carry and the model's EOS
+    ids (``eos_token_ids``, bound by :func:`contract_lib.omni.build_scheduler`), which
+    SGLang's scheduler gives every request it builds.
     """
     import torch
     from sglang.srt.managers.schedule_batch import Req
@@ -151,11 +154,11 @@ def omni_request_builder(payload):
 
     prompt = list(payload.request.inputs)
     max_new_tokens = int(payload.request.params["max_new_tokens"])
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    params = SamplingParams(**payload.request.params)
     params.normalize(None)
     params.verify(VOCAB_SIZE)
     req = Req(rid=payload.request_id, origin_input_text="", origin_input_ids=prompt,
-              sampling_params=params, vocab_size=VOCAB_SIZE)
+              sampling_params=params, vocab_size=VOCAB_SIZE, eos_token_ids=eos_token_ids)
     return SGLangARRequestData(req=req, input_ids=torch.tensor(prompt, dtype=torch.long),
                                stage_payload=payload, max_new_tokens=max_new_tokens,
                                temperature=0.0)

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from contract_lib.shims.model import next_token
-
+from contract_lib.shims.model import next_token, scripted_token
 
 
 def install_torch_model_free_forward(on_launch: Callable[[Any, list[int]], None]) -> None:
@@ -39,22 +38,54 @@ def install_torch_model_free_forward(on_launch: Callable[[Any, list[int]], None]
 
 def bookkeeping_runner(worker, **kwargs: Any):
     """SGLang's ``MlxModelRunnerStub`` for ``worker``: the real ``ReqToTokenPool`` and
-    ``TokenToKVPoolAllocator`` over a zero-byte KV cache, no weights loaded; its pool
-    holds ``max_total_tokens`` slots (``BASE_SERVER_ARGS``)."""
+    KV allocator over a zero-byte KV cache, no weights loaded; its pool holds
+    ``max_total_tokens`` slots (``BASE_SERVER_ARGS``), rounded down to whole pages.
+
+    With ``page_size > 1`` the allocator is the paged one SGLang's model runner builds
+    for that page size (:func:`use_paged_allocator`): the stub, written for the MLX
+    backend, always builds the token-level one, which the scheduler's paged path
+    cannot use ("alloc_extend is only for paged allocator" at the first prefill).
+    """
     from sglang.srt.hardware_backend.mlx.model_runner_stub import MlxModelRunnerStub
     from sglang.srt.runtime_context import get_schedule
 
-    return MlxModelRunnerStub(
+    page_size = int(get_schedule().page_size or 1)
+    # As the model runner's pool configurator: whole pages only.
+    pool_size = get_schedule().max_total_tokens // page_size * page_size
+    runner = MlxModelRunnerStub(
         model_config=worker.model_config,
         mem_fraction_static=get_schedule().mem_fraction_static,
         gpu_id=worker.gpu_id, nccl_port=worker.nccl_port, server_args=worker.server_args,
-        mlx_pool_size=get_schedule().max_total_tokens, **kwargs)
+        mlx_pool_size=pool_size, **kwargs)
+    if page_size > 1:
+        use_paged_allocator(runner, page_size)
+    return runner
+
+
+def use_paged_allocator(runner, page_size: int) -> None:
+    """Give ``runner`` the allocator ``KVCacheConfigurator`` builds for a plain
+    full-attention model with ``page_size > 1``: the platform's paged allocator class,
+    else ``PagedTokenToKVPoolAllocator`` (native kernels where Triton cannot launch),
+    over the runner's KV cache, whose page size it takes."""
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from sglang.srt.platforms import current_platform
+
+    try:
+        allocator_class = current_platform.get_paged_allocator_cls()
+    except NotImplementedError:  # <= 0.5.21: only out-of-tree platforms name one
+        allocator_class = None
+    kv_cache = runner.token_to_kv_pool
+    kv_cache.page_size = page_size
+    runner.token_to_kv_pool_allocator = (allocator_class or PagedTokenToKVPoolAllocator)(
+        runner.max_total_num_tokens, page_size=page_size, dtype=runner.kv_cache_dtype,
+        device="cpu", kvcache=kv_cache, need_sort=False)
 
 
 def model_free_tokens(batch) -> list[int]:
     """:func:`next_token` for every request of a launched batch, from the batch's real
     resolved ``input_ids`` (decode: one id per request, relayed through the FutureMap;
-    extend: each request's segment) and ``seq_lens``."""
+    extend: each request's segment) and ``seq_lens``; a scripted token (the workload's
+    ``emit``) where the request's output position has one."""
     input_ids = batch.input_ids.tolist()
     seq_lens = batch.seq_lens.tolist()
     if batch.forward_mode.is_decode():
@@ -68,7 +99,14 @@ def model_free_tokens(batch) -> list[int]:
         # A mixed batch appends one relayed id per running request after the
         # prefill segments (``resolve_forward_inputs``).
         last_ids += input_ids[offset:]
-    return [next_token(t, n) for t, n in zip(last_ids, seq_lens)]
+    return [_scripted_or(next_token(t, n), req, n)
+            for req, t, n in zip(batch.reqs, last_ids, seq_lens)]
+
+
+def _scripted_or(token: int, req, seq_len: int) -> int:
+    """``token``, unless the workload scripts another at this output position."""
+    scripted = scripted_token(req.rid, seq_len, len(req.origin_input_ids))
+    return token if scripted is None else scripted
 
 
 def model_free_result(tokens: list[int]):

@@ -175,6 +175,31 @@ def same_tables(first: Frames, second: Frames,
     return {name: a[name].equals(b[name]) for name in names}
 
 
+def damage_by_workload(sglang: str, workloads: Sequence[str] | None = None,
+                       ) -> tuple[pd.DataFrame, dict[str, str]]:
+    """:func:`damage_summary` of every free-running workload (default: every shipped one)
+    through the MLX loop with the real runner on release ``sglang``, one row each; and
+    the workloads left out, with why (scripted or cut outputs mlx-lm cannot reproduce, or
+    a set-up the loop refuses)."""
+    from contract_lib.harness import run
+    from contract_lib.tiny_model import reference_outputs
+    from contract_lib.verdict import unsupported
+    from contract_lib.workloads import load_workload, workload_names
+
+    rows, left_out = [], {}
+    for name in workloads or workload_names():
+        if not load_workload(name).free_running():
+            left_out[name] = "scripted tokens, stop list or abort: no reference output"
+            continue
+        frames = run(name, "mlx", runner="real", sglang=sglang)
+        refused = unsupported(frames.meta)
+        if refused:
+            left_out[name] = refused
+            continue
+        rows.append({"workload": name, **damage_summary(frames, reference_outputs(name))})
+    return pd.DataFrame(rows), left_out
+
+
 def damage_summary(frames: Frames, reference: dict[str, list[int]]) -> dict:
     """One run's pool damage in positions (:func:`contract_lib.kvpool.summary_table`
     totals) and the requests whose tokens differ from ``reference``."""
