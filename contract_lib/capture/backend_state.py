@@ -34,9 +34,12 @@ class BackendStateRecorder:
         """``(step, rid, structure, row)`` per request key held, in a stable order."""
         rows = []
         for owner, obj in self._objects().items():
-            for name, value in sorted(vars(obj).items()):
-                if not isinstance(value, (dict, set, frozenset)):
-                    continue
+            attributes = vars(obj)
+            # The non-empty containers only, then sorted: an empty one holds no key and
+            # cannot be found per-request yet (it is looked at again every step).
+            for name in sorted(name for name, value in attributes.items()
+                               if isinstance(value, (dict, set, frozenset)) and value):
+                value = attributes[name]
                 structure = f"{owner}.{name}"
                 keys = [k for k in value if isinstance(k, str)]
                 if structure not in self.per_request:

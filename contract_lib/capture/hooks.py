@@ -11,12 +11,13 @@ from contract_lib.capture.backend_state import BackendStateRecorder
 
 
 @functools.lru_cache(maxsize=4)
-def _entry_numbers(shape: tuple[int, ...]):
-    """A tensor of ``shape`` holding 0, 1, 2, ...: indexed like ``req_to_token``, it gives
-    the flat numbers of the entries an index selects, whatever form the index takes."""
+def _row_numbers(shape: tuple[int, int]):
+    """A tensor of ``shape`` whose every entry holds its row number (a broadcast view, no
+    copy): indexed like ``req_to_token``, it gives the row of each entry an index selects,
+    whatever form the index takes."""
     import torch
 
-    return torch.arange(int(np.prod(shape))).view(shape)
+    return torch.arange(shape[0]).view(-1, 1).expand(shape)
 
 
 class HookInstaller:
@@ -154,20 +155,24 @@ class HookInstaller:
 
     def on_row_write(self, indices) -> None:
         """Attribute the entries ``req_to_token[indices]`` just written to the request
-        holding each row (by index, whatever form ``indices`` takes)."""
-        # The flat numbers of the entries written: costs the write's size, not the table's.
-        numbers = _entry_numbers(self.written_by.shape)[indices]
-        written = np.unique(numbers.reshape(-1).numpy())
-        rows, positions = np.divmod(written, self.written_by.shape[1])
-        holders = {row: self._row_holder(int(row)) for row in set(rows.tolist())}
-        self.written_by[rows, positions] = [holders[row] for row in rows.tolist()]
+        holding each row (by index, whatever form ``indices`` takes): the same index
+        applied to ``written_by`` and to a table of row numbers, so it costs the write's
+        size, not the table's."""
+        import torch
 
-    def _row_holder(self, row: int) -> int:
-        """Registry index of the request whose ``req_pool_idx`` is ``row`` (-1: none)."""
-        for index, req in enumerate(self.reqs.values()):
-            if req.kv.req_pool_idx == row:
-                return index
-        return -1
+        shape = self.written_by.shape
+        holders = torch.from_numpy(self._row_holders(shape[0]))
+        torch.from_numpy(self.written_by)[indices] = holders[_row_numbers(shape)[indices]]
+
+    def _row_holders(self, rows: int) -> np.ndarray:
+        """Per ``req_to_token`` row: the registry index of the first request whose
+        ``req_pool_idx`` it is (-1: none)."""
+        holders = np.full(rows, -1, dtype=np.int32)
+        for index, req in reversed(list(enumerate(self.reqs.values()))):
+            row = req.kv.req_pool_idx
+            if row is not None and 0 <= row < rows:
+                holders[row] = index
+        return holders
 
     def _install_mlx_launch_hooks(self) -> None:
         worker = self.s.tp_worker

@@ -30,18 +30,20 @@ class StepSnapshot:
             "wall_time": time.monotonic(),
             "processed_tokens_counter": getattr(s, "processed_tokens_counter", None),
         }))
-        free = free_slot_mask(self.s.token_to_kv_pool_allocator)
-        rtt = s.req_to_token_pool.req_to_token
+        seq_lens = self._seq_lens(running, last)
+        rtt = s.req_to_token_pool.req_to_token.numpy()  # a view: sliced without torch
+        free = None  # the free-slot mask, taken at the first live row
         slot_rows = []
         for index, (rid, req) in enumerate(self.reqs.items()):
             kv = req.kv
             row = kv.req_pool_idx
+            ended = self.ended(req)
             reason = (req.finished_reason.to_json() if req.finished_reason
                       else self.abort_outputs.get(rid, {}))
             rows.append(("requests", {
                 "step": step, "rid": rid, "prompt_len": len(req.origin_input_ids),
-                "emitted": len(req.output_ids), "finished": self.ended(req),
-                "req_pool_idx": row, "seq_len": self._seq_len(req, running, last),
+                "emitted": len(req.output_ids), "finished": ended,
+                "req_pool_idx": row, "seq_len": seq_lens.get(id(req)),
                 "kv_computed": self.kv_computed.get(rid),
                 "kv_committed_len": kv.kv_committed_len,
                 "kv_allocated_len": kv.kv_allocated_len,
@@ -52,10 +54,12 @@ class StepSnapshot:
                 "decode_batch_idx": getattr(req, "decode_batch_idx", None),
                 "kv_prefilled": self.kv_prefilled.get(rid),
             }))
-            if row is None or self.ended(req):
+            if row is None or ended:
                 continue
+            if free is None:
+                free = free_slot_mask(s.token_to_kv_pool_allocator)
             width = max(self.kv_computed.get(rid, 0), kv.kv_allocated_len)
-            entries = rtt[row, :width].numpy()
+            entries = rtt[row, :width]
             written = (self.written_by[row, :width] == index).tolist()
             slot_rows.append((step, rid, row, entries.tolist(), free[entries].tolist(),
                               written))
@@ -105,14 +109,16 @@ class StepSnapshot:
         return checker
 
     @staticmethod
-    def _seq_len(req, running, last) -> int | None:
+    def _seq_lens(running, last) -> dict[int, int]:
+        """``id(req)`` -> its ``seq_lens`` entry in the running batch, else in the last
+        batch (requests in neither are absent)."""
+        found: dict[int, int] = {}
         for batch in (running, last):
             if batch is None or batch.is_empty() or batch.seq_lens is None:
                 continue
-            for i, other in enumerate(batch.reqs):
-                if other is req:
-                    return int(batch.seq_lens[i])
-        return None
+            for req, seq_len in zip(batch.reqs, batch.seq_lens.tolist()):
+                found.setdefault(id(req), seq_len)  # the first entry wins
+        return found
 
 
 class ReadThrough:
