@@ -37,7 +37,6 @@ def free_slot_mask(allocator) -> np.ndarray:
     pages, released or staged ones included, as SGLang's own census
     ``get_all_free_pages`` lists them; a page is ``page_size`` slots, page 0 reserved)."""
     page = allocator.page_size
-    pages = allocator.get_all_free_pages().numpy()
-    mask = np.zeros((allocator.size // page + 1) * page, dtype=bool)
-    mask[(pages[:, None] * page + np.arange(page)).reshape(-1)] = True
-    return mask
+    free_pages = np.zeros(allocator.size // page + 1, dtype=bool)
+    free_pages[allocator.get_all_free_pages().numpy()] = True
+    return free_pages if page == 1 else np.repeat(free_pages, page)
