@@ -5,53 +5,29 @@ A cold run spends ~5 s importing SGLang before a ~0.5 s Scheduler build and a ~2
 loop. A warm server (:mod:`contract_lib.server`) pays the import once and outlives the
 command that started it, so the next command, notebook kernel or thread forks its run
 from it. Every run is still its own process, forked per run, with its own Scheduler.
-
-Where: one UNIX socket per server in :func:`server_dir` (``$CONTRACT_LIB_SERVER_DIR``,
-else ``$XDG_RUNTIME_DIR/contract_lib``, else ``.cache/servers`` in the checkout), a
-directory only the user can enter (0700, owned by the user; anything else is refused).
-A server is named by a key of the interpreter, this library's folder, the SGLang folder
-first on the run's ``PYTHONPATH`` (``sglang_dir``; None: the venv's) and the ``SGLANG*``
-environment variables (read by SGLang at import), so every thread and process asking for
-the same release finds the same server. ``<key>.sock`` is the socket, ``<key>.lock``
-serialises starts (two processes starting at once: one starts, the other connects),
-``<key>.log`` is the server's own output.
+Where servers live and what they are called: :mod:`contract_lib.serverdir`; what client
+and server say: :mod:`contract_lib.serverwire`.
 
 Staleness: each run request carries the client's fingerprint of the SGLang files and
 this library's source (:func:`contract_lib.cache.code_fingerprint`); a server started
 from other files answers ``stale`` and the client retires it (it exits once its runs
 end) and starts a fresh one.
 
-Protocol (one connection per request; pickled tuples, a 4-byte length first; file
-descriptors ride with ``socket.send_fds``):
-
-- ``("run", spec, context, fingerprint)`` with two fds (the write end of the run's
-  message pipe, the run's log file): the server forks, replies ``("pid", pid)``, later
-  ``("exit", code)`` (negative: signal). Closing the connection before that kills the
-  run: a run dies with the process that asked for it.
-- ``("server-arg-types", fingerprint)``: the kinds of value each ``ServerArgs`` field
-  accepts (:mod:`contract_lib.serverargs`), so a bad server arg fails before any child.
-- ``("status",)``, ``("stop",)`` (kill the runs, exit now), ``("retire",)`` (remove the
-  socket, exit once the runs end).
-
 Switches: ``CONTRACT_LIB_SERVER=off`` (or ``--cold`` / ``warm=False``) starts a cold
 interpreter per run; a server directory that cannot be used, or a server that cannot
 start, costs one :class:`ServerWarning` and the run goes cold. Idle time before a
-server exits: ``$CONTRACT_LIB_SERVER_IDLE_S`` (default :data:`DEFAULT_IDLE_S`).
+server exits: ``$CONTRACT_LIB_SERVER_IDLE_S`` (default
+:data:`~contract_lib.serverdir.DEFAULT_IDLE_S`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import hashlib
 import json
 import os
-import pickle
 import select
 import socket
-import stat
-import struct
 import subprocess
 import sys
 import threading
@@ -59,20 +35,14 @@ import time
 import warnings
 from pathlib import Path
 
-from contract_lib.paths import PACKAGE_DIR, PROJECT_ROOT
+from contract_lib.serverdir import (  # noqa: F401  (IDLE_ENV, SERVER_*_ENV: re-exported)
+    IDLE_ENV, SERVER_DIR_ENV, SERVER_SWITCH_ENV, ServerUnavailable, enabled, idle_seconds,
+    locked, private_dir, server_dir, server_key)
+from contract_lib.serverwire import recv, send
 
-SERVER_DIR_ENV = "CONTRACT_LIB_SERVER_DIR"
-SERVER_SWITCH_ENV = "CONTRACT_LIB_SERVER"  # "off": cold children only
-IDLE_ENV = "CONTRACT_LIB_SERVER_IDLE_S"
-DEFAULT_IDLE_S = 900.0  # a server exits after 15 minutes without a request or a run
 START_TIMEOUT_S = 180.0  # importing SGLang takes 5-6 s; under load much longer
-_HEADER = struct.Struct("!I")
 # Seconds between checks of a cancel event while waiting for a server's reply.
 _WAIT_STEP_S = 0.25
-
-
-class ServerUnavailable(RuntimeError):
-    """No warm server can be used (directory, socket or start failed); runs go cold."""
 
 
 class ServerWarning(UserWarning):
@@ -89,41 +59,6 @@ def _warn(message: str) -> None:
         warnings.warn_explicit(message, ServerWarning, filename=__name__, lineno=0)
 
 
-# -- wire format ---------------------------------------------------------------------------
-
-
-def send(sock: socket.socket, obj, fds: list[int] = ()) -> None:
-    payload = pickle.dumps(obj)
-    data = _HEADER.pack(len(payload)) + payload
-    if fds:
-        socket.send_fds(sock, [data], list(fds))
-    else:
-        sock.sendall(data)
-
-
-def recv(sock: socket.socket, with_fds: int = 0):
-    """One message and the fds that came with it; EOFError when the peer closed."""
-    if with_fds:
-        data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 20, with_fds)
-    else:
-        data, fds = sock.recv(_HEADER.size), []
-    if not data:
-        raise EOFError("the warm server closed the connection")
-    while len(data) < _HEADER.size:
-        chunk = sock.recv(_HEADER.size - len(data))
-        if not chunk:
-            raise EOFError("the warm server closed the connection")
-        data += chunk
-    (size,) = _HEADER.unpack(data[:_HEADER.size])
-    payload = data[_HEADER.size:]
-    while len(payload) < size:
-        chunk = sock.recv(size - len(payload))
-        if not chunk:
-            raise EOFError("the warm server closed the connection")
-        payload += chunk
-    return pickle.loads(payload), fds
-
-
 def child_env(sglang_dir=None) -> dict[str, str]:
     """The environment of a run's process (cold child or warm server): this process's
     ``sys.path`` as ``PYTHONPATH``, with the SGLang release folder first when given, and
@@ -137,57 +72,6 @@ def child_env(sglang_dir=None) -> dict[str, str]:
 def _child_path(sglang_dir) -> list[str]:
     paths = [str(sglang_dir)] if sglang_dir is not None else []
     return paths + [p for p in sys.path if p and p != str(sglang_dir)]
-
-
-# -- where servers live --------------------------------------------------------------------
-
-
-def enabled() -> bool:
-    return os.environ.get(SERVER_SWITCH_ENV, "").lower() not in ("off", "0", "no", "false")
-
-
-def idle_seconds() -> float:
-    try:
-        return float(os.environ.get(IDLE_ENV) or DEFAULT_IDLE_S)
-    except ValueError:
-        return DEFAULT_IDLE_S
-
-
-def server_dir() -> Path:
-    """``$CONTRACT_LIB_SERVER_DIR``, else ``$XDG_RUNTIME_DIR/contract_lib``, else
-    ``.cache/servers`` in the project checkout."""
-    if os.environ.get(SERVER_DIR_ENV):
-        return Path(os.environ[SERVER_DIR_ENV])
-    if os.environ.get("XDG_RUNTIME_DIR"):
-        return Path(os.environ["XDG_RUNTIME_DIR"]) / "contract_lib"
-    return PROJECT_ROOT / ".cache" / "servers"
-
-
-def private_dir(directory: Path) -> Path:
-    """``directory``, created 0700 if missing; refused (:class:`ServerUnavailable`) unless
-    it is a real directory owned by this user that no one else can enter."""
-    try:
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        info = os.lstat(directory)
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-            raise ServerUnavailable(f"server directory {directory} is not a directory of "
-                                    "this user")
-        if info.st_mode & 0o077:
-            os.chmod(directory, 0o700)
-        if not os.access(directory, os.W_OK | os.X_OK):
-            raise PermissionError(errno.EACCES, "not writable", str(directory))
-    except OSError as exc:
-        raise ServerUnavailable(f"server directory {directory} cannot be used ({exc})") \
-            from exc
-    return directory
-
-
-def server_key(sglang_dir) -> str:
-    """The name of the server for ``sglang_dir`` (see the module docstring)."""
-    sglang_env = sorted((k, v) for k, v in os.environ.items() if k.startswith("SGL"))
-    return hashlib.sha256(json.dumps(
-        [sys.executable, str(PACKAGE_DIR), None if sglang_dir is None else str(sglang_dir),
-         sglang_env]).encode()).hexdigest()[:16]
 
 
 # -- one server, from the client ----------------------------------------------------------
@@ -284,16 +168,10 @@ class Server:
 
     # lifecycle
 
-    @contextlib.contextmanager
-    def _locked(self):
-        with open(self.lock_path, "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            yield
-
     def start(self, fingerprint: str) -> None:
         """Make a server of ``fingerprint`` listen on the socket: one already does (another
         process started it meanwhile), or retire a stale one and start a new one."""
-        with self._locked():
+        with locked(self.lock_path):
             status = self.ask(("status",))
             if status is not None and status["fingerprint"] == fingerprint:
                 return
@@ -452,7 +330,7 @@ def statuses(directory: Path | None = None) -> list[dict]:
     for server in _servers(directory):
         status = server.ask(("status",))
         if status is None:
-            with server._locked():
+            with locked(server.lock_path):
                 if server.ask(("status",)) is None:
                     server.socket_path.unlink(missing_ok=True)
             continue

@@ -1,12 +1,13 @@
 """Warm server, server side: SGLang imported once, one forked child per run.
 
-Started by :meth:`contract_lib.pool.Server.start` (protocol and naming there). The
-process forks itself away from its starter (so it outlives the command that started
-it, in its own session: a terminal's Ctrl-C never reaches it), imports SGLang, listens
-on its socket (only the user can enter its directory; the socket itself is 0600), tells
-the starter it is ready, and serves any number of clients at once from one thread (a
-selector over the listening socket, the clients' connections and a signal wake-up pipe),
-so every fork happens from that one thread.
+Started by :meth:`contract_lib.pool.Server.start` (protocol: :mod:`contract_lib.serverwire`;
+naming: :mod:`contract_lib.serverdir`). The process forks itself away from its starter
+(so it outlives the command that started it, in its own session: a terminal's Ctrl-C
+never reaches it), imports SGLang, listens on its socket (only the user can enter its
+directory; the socket itself is 0600), tells the starter it is ready, and serves any
+number of clients at once from one thread (a selector over the listening socket, the
+clients' connections and a signal wake-up pipe), so every fork happens from that one
+thread.
 
 Lifetime: it exits after ``idle_s`` seconds without a request or a running run, on
 ``stop`` or SIGTERM (killing its runs), or, on ``retire`` (its files went stale), once
@@ -31,7 +32,7 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from contract_lib.pool import recv, send
+from contract_lib.serverwire import recv, send
 
 
 def preload() -> None:

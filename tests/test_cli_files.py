@@ -3,13 +3,13 @@ path that costs the file, never the verdict."""
 
 from __future__ import annotations
 
-from contract_lib import cli
+from contract_lib.cli import runs as cli_runs
 from contract_lib.cli import main
 
 
 def test_trace_file_names_carry_the_patch_and_the_clock(tmp_path, monkeypatch):
     """A patched or wall-clock trace must not silently overwrite the plain one."""
-    monkeypatch.setattr(cli, "FRAMES_DIR", tmp_path)
+    monkeypatch.setattr(cli_runs, "FRAMES_DIR", tmp_path)
     base = ["trace", "--workload", "single-decode", "--loop", "normal"]
     assert main(base) == 0
     assert main([*base, "--patch", "no-forward-ct"]) == 0

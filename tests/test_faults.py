@@ -425,10 +425,10 @@ def test_a_wrong_typed_server_arg_on_the_command_line_exits_2():
 
 
 def test_true_and_false_on_the_command_line_are_booleans():
-    from contract_lib.cli import _server_arg
+    from contract_lib.cli import server_arg
 
-    assert _server_arg("disable_overlap_schedule=true") == ("disable_overlap_schedule", True)
-    assert _server_arg("disable_overlap_schedule=False") == ("disable_overlap_schedule",
+    assert server_arg("disable_overlap_schedule=true") == ("disable_overlap_schedule", True)
+    assert server_arg("disable_overlap_schedule=False") == ("disable_overlap_schedule",
                                                              False)
 
 

@@ -1,4 +1,4 @@
-"""The pytest plugin (``pytest_contract_lib``, entry point ``pytest11``) and the test file
+"""The pytest plugin (``contract_lib.pytest_plugin``, entry point ``pytest11``) and the test file
 it is for: ``contrib/sglang/.../mlx/test_per_step_contract.py``, run here with pytest in
 a subprocess against the installed SGLang, as SGLang's CI would run it."""
 
@@ -52,8 +52,8 @@ def _ids(outcomes: dict[str, str], test: str) -> dict[str, str]:
 @pytest.mark.fast
 def test_the_plugin_module_imports_nothing_heavy():
     """pytest imports it in every session of every project where contract_lib is installed."""
-    code = ("import sys, pytest_contract_lib; "
-            "print(sorted({'contract_lib', 'pandas', 'numpy', 'sglang', 'torch'} "
+    code = ("import sys, contract_lib.pytest_plugin; "
+            "print(sorted({'contract_lib.harness', 'pandas', 'numpy', 'sglang', 'torch'} "
             "& set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
@@ -63,7 +63,7 @@ def test_the_plugin_module_imports_nothing_heavy():
 def test_the_fixture_comes_from_the_installed_entry_point(tmp_path):
     """Three pytest start-ups (seconds each): not in the fast tier."""
     listed = _pytest("--fixtures", cwd=tmp_path)
-    assert re.search(r"^contract_run -- .*pytest_contract_lib\.py", listed.stdout, re.M), (
+    assert re.search(r"^contract_run -- .*contract_lib/pytest_plugin\.py", listed.stdout, re.M), (
         listed.stdout[-2000:])
     assert "contract_run(workload, loop=\"mlx\", patch=None" in listed.stdout
     without = _pytest("--fixtures", "-p", "no:contract_lib", cwd=tmp_path)

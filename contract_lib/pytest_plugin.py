@@ -9,7 +9,8 @@ them). When such a test fails, its report gains a "contract_lib runs" section na
 each run and the file its frames were saved to (``Frames.load`` reads it back).
 
 pytest imports this module in every session of every project where contract_lib is
-installed, so it imports nothing but pytest: the harness (and with it pandas and, in
+installed, so it imports nothing but pytest and the package's face (which imports its
+names on first use): the harness (and with it pandas and, in
 the run's child, SGLang) is imported when a test first calls ``contract_run``.
 """
 

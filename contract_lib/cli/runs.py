@@ -1,0 +1,109 @@
+"""The commands of one run: ``run`` (the per-step table), ``check`` (the clauses),
+``trace`` (a Chrome/Perfetto trace of loops side by side)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from contract_lib import loops
+from contract_lib.cli.options import (add_clauses_option, add_run_options,
+                                      add_speed_options, fate, file_part,
+                                      run_and_save)
+from contract_lib.harness import run
+from contract_lib.patches import patch_spec
+from contract_lib.paths import FRAMES_DIR
+from contract_lib.report import run_summary, step_table
+from contract_lib.verdict import Outcome, setup_failed, worst
+
+
+def cmd_run(args) -> int:
+    frames = run_and_save(args)
+    print(run_summary(frames))
+    if setup_failed(frames.meta):
+        return Outcome.USAGE
+    print()
+    print(step_table(frames))
+    if frames.meta.get("runner") == "real" and not frames.kv_pool.empty:
+        from contract_lib.kvpool import pool_table
+
+        print()
+        print(pool_table(frames))
+    return fate(frames)
+
+
+def cmd_check(args) -> int:
+    from contract_lib.contract import check
+
+    frames = run_and_save(args)
+    report = check(frames, args.clauses)
+    if setup_failed(frames.meta):
+        print(run_summary(frames))
+        print(report.verdict().line())
+        return report.verdict().code
+    print()
+    print(report.text())
+    kv_damaged = False
+    if frames.meta.get("runner") == "real" and frames.status == "finished":
+        from contract_lib import kvpool
+
+        kv_damaged = kvpool.damaged(frames)
+        print()
+        print(f"KV pool (real MlxModelRunner): {'DAMAGED' if kv_damaged else 'intact'}")
+        print(kvpool.pool_table(frames))
+    return report.verdict(kv_damaged).code
+
+
+def cmd_trace(args) -> int:
+    from contract_lib.trace import write_trace
+
+    # Default: the first reference loop beside the first candidate.
+    chosen = args.loop or [loops.reference_names()[0],
+                           next(n for n in loops.default_names() if not loops.spec(n).reference)]
+    patch = patch_spec(args.patch)
+    runs = [run(args.workload, loop, patch=patch, cache=not args.no_cache,
+                warm=not args.cold) for loop in chosen]
+    name = f"{Path(args.workload).stem}.{'-'.join(chosen)}"
+    if patch:
+        name += "." + file_part(patch)
+    if args.wall_clock:
+        name += ".wall-clock"
+    out = args.out or FRAMES_DIR / f"{name}.trace.json"
+    try:
+        path = write_trace(runs, out, wall_clock=args.wall_clock)
+    except OSError as exc:
+        print(f"error: could not write the trace to {out}: {exc}", file=sys.stderr)
+        return Outcome.USAGE
+    print(f"trace of {', '.join(chosen)} on {args.workload} written to {path}; open it in "
+          "https://ui.perfetto.dev (Open trace file) or chrome://tracing")
+    for frames in runs:
+        if frames.status != "finished":
+            print(run_summary(frames))
+    return worst(fate(frames) for frames in runs)
+
+
+def register(commands) -> None:
+    """Add ``run``, ``check`` and ``trace`` to the subcommands."""
+    run_parser = commands.add_parser(
+        "run", help="run a workload through a loop; print the per-step table, save frames")
+    add_run_options(run_parser)
+    run_parser.set_defaults(handler=cmd_run)
+    check_parser = commands.add_parser(
+        "check", help="run, then check the clauses (--clauses); exit 0 pass, 1 a clause violated, "
+        "2 set-up error, 3 the run did not finish, 4 vacuous (see README)")
+    add_run_options(check_parser)
+    add_clauses_option(check_parser)
+    check_parser.set_defaults(handler=cmd_check)
+    trace_parser = commands.add_parser(
+        "trace", help="write a Chrome/Perfetto trace of one or more loops on a workload")
+    trace_parser.add_argument("--loop", action="append", choices=loops.names(),
+                              help="a loop to include, one process each (repeatable; "
+                                   "default: normal and mlx)")
+    trace_parser.add_argument("--workload", required=True)
+    trace_parser.add_argument("--patch", action="append")
+    trace_parser.add_argument("--out", type=Path, help="default: data/frames/"
+                              "<workload>.<loops>.trace.json")
+    trace_parser.add_argument("--wall-clock", action="store_true",
+                              help="real step times instead of synthetic, byte-stable ones")
+    add_speed_options(trace_parser)
+    trace_parser.set_defaults(handler=cmd_trace)
