@@ -40,7 +40,6 @@ code  outcome        when
 from __future__ import annotations
 
 import dataclasses
-import enum
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -55,26 +54,24 @@ from contract_lib.patches import patch_spec
 from contract_lib.protocol import RunSetupError
 from contract_lib.sources import Source, resolve
 from contract_lib.status import SETUP_ERROR, SGLANG_WIDE, VACUOUS, Status, default_loops
+from contract_lib.verdict import ExitCode, Outcome
 from contract_lib.workloads import load_workload, workload_names
 
 SIDE_KEYS = ("release", "path", "diff", "patch")
 
 
-class Change(enum.IntEnum):
+class Change(ExitCode):
     """What the head did to a clause, or to the whole comparison; the value is the exit
-    code (see the module docstring)."""
+    code (see the module docstring). Set-up, not-finished, vacuous and interrupted share
+    a run's :class:`~contract_lib.verdict.Outcome` codes."""
 
     FIXED = 0
     BROKE = 1
-    USAGE = 2
-    NOT_FINISHED = 3
-    VACUOUS = 4
+    USAGE = Outcome.USAGE.value
+    NOT_FINISHED = Outcome.NOT_FINISHED.value
+    VACUOUS = Outcome.VACUOUS.value
     KEPT = 5
-    INTERRUPTED = 130
-
-    @property
-    def label(self) -> str:
-        return self.name.lower().replace("_", "-")
+    INTERRUPTED = Outcome.INTERRUPTED.value
 
 
 # The order in which a comparison's changes decide its exit code.

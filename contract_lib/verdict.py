@@ -32,7 +32,15 @@ from typing import Any
 from contract_lib import loops
 
 
-class Outcome(enum.IntEnum):
+class ExitCode(enum.IntEnum):
+    """An answer whose value is the process exit code (members in subclasses)."""
+
+    @property
+    def label(self) -> str:
+        return self.name.lower().replace("_", "-")
+
+
+class Outcome(ExitCode):
     """A run's (or a command's) outcome; the value is the process exit code."""
 
     PASS = 0
@@ -41,10 +49,6 @@ class Outcome(enum.IntEnum):
     NOT_FINISHED = 3
     VACUOUS = 4
     INTERRUPTED = 130
-
-    @property
-    def label(self) -> str:
-        return self.name.lower().replace("_", "-")
 
 
 # When a command summarises several runs: the outcome it exits with is the first of these
