@@ -162,8 +162,9 @@ class Comparison:
     def kv_damage(self, side: int) -> dict[tuple[str, str], bool]:
         """Real-runner runs only: whether each damaged the MLX KV pool (a row of the
         clause table, judged as a clause)."""
-        return {key: kvpool.damaged(pair[side]) for key, pair in self.runs.items()
-                if pair[side].meta.get("runner") == "real"}
+        verdicts = {key: kvpool.kv_verdict(pair[side]) for key, pair in self.runs.items()
+                    if pair[side].meta.get("runner") == "real"}
+        return {key: bad for key, bad in verdicts.items() if bad is not None}
 
     def clause_table(self) -> pd.DataFrame:
         """One row per (clause, loop): each side's worst status over the workloads (as
@@ -245,7 +246,8 @@ def pool_summary(frames: Frames) -> str:
     peak = int((steps["kv_total"] - steps["kv_available"]).max())
     state = f"leak at {leaks} steps" if leaks else "balanced"
     if frames.meta.get("runner") == "real":
-        state += ", KV DAMAGED" if kvpool.damaged(frames) else ", KV intact"
+        verdict = kvpool.kv_verdict(frames)
+        state += {True: ", KV DAMAGED", False: ", KV intact", None: ", KV not judged"}[verdict]
     return f"{state}, peak {peak}/{int(steps['kv_total'].max())}"
 
 

@@ -256,6 +256,16 @@ def damaged(frames) -> bool:
                 or (pool["verdict"] != "ok").any())
 
 
+def kv_verdict(frames) -> bool | None:
+    """A run's KV pool verdict for tables: True damaged, False intact, None when the run
+    earned none (it did not finish and shows no damage: a set-up it refused, a crash
+    before the pool was written). Damage is evidence from any run; intact only from a
+    finished one."""
+    if damaged(frames):
+        return True
+    return False if frames.status == "finished" else None
+
+
 def pool_table(frames) -> str:
     """:func:`summary_table` as text, with the slot-0 state, for terminals."""
     table = summary_table(frames)

@@ -309,9 +309,10 @@ def releases_status(versions: list[str | None], workloads: list[str] | None = No
         runs = [((w, loop), f) for (v, w, loop), f in zip(keys, frames) if v == version]
         damage = {}
         if runner == "real":
-            from contract_lib.kvpool import damaged
+            from contract_lib.kvpool import kv_verdict
 
-            damage = {key: damaged(f) for key, f in runs}
+            damage = {key: verdict for key, f in runs
+                      if (verdict := kv_verdict(f)) is not None}
         statuses.append(Status({key: check(f, clauses) for key, f in runs}, sglang=version,
                                runner=runner, kv_damaged=damage))
     return ReleasesStatus(statuses)

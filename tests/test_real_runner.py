@@ -188,3 +188,17 @@ def test_kv_figures_and_token_table(two_turn, reference):
     assert not views.same_tables(two_turn["unclamped"], two_turn["fixed"])["kv_syncs"]
     summary = views.damage_summary(two_turn["unclamped"], reference)
     assert summary["wrong output"] == "a2" and summary["into another live request"] == 8
+
+
+def test_a_refused_run_earns_no_kv_pool_verdict():
+    """A run the loop refused in set-up never wrote the pool: it is not `intact`. The KV
+    row of `status` counts only runs that finished (or show damage)."""
+    from contract_lib.status import releases_status
+
+    refused = contract_lib.run("page-size-4", "mlx", runner=REAL)
+    assert refused.status != "finished" and kvpool.kv_verdict(refused) is None
+    table = releases_status([None], workloads=["page-size-4", "single-decode"],
+                            loops=("mlx",), runner=REAL, progress=False)
+    kv_row = table.statuses[0].table().loc[next(
+        c for c in table.statuses[0].table().index if "KV pool" in c), "mlx"]
+    assert kv_row == "intact (1/1)"
