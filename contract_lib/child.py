@@ -180,7 +180,8 @@ def _build(spec: dict[str, Any], loop_spec: loops.LoopSpec, emit,
     args = {**BASE_SERVER_ARGS, "model_path": model_dir,
             "disable_overlap_schedule": loop_spec.disable_overlap_schedule,
             **workload.server_args, **spec["server_args"]}
-    if found := problems(user_server_args(spec), accepted_kinds(ServerArgs)):
+    user_args = user_server_args(spec)
+    if user_args and (found := problems(user_args, accepted_kinds(ServerArgs))):
         raise RunSetupError("; ".join(found))  # a cold run's parent could not check them
     server_args = ServerArgs(**args)
     if loop_spec.family == loops.OMNI:  # its ModelWorker publishes the runtime context

@@ -5,7 +5,8 @@ Messages (tuples on a one-way pipe, child -> parent), in the order a run sends t
 - ``("meta", dict)``: run metadata (shims applied, the loop function entered, timing...);
 - ``("row", table, row)``: one frame row (``launches`` rows are indexed for updates);
 - ``("update", table, key, value, fields)``: fields of an earlier ``launches`` row;
-- ``("rows", [(table, row), ...], slot_rows)``: one step's rows, slots column-wise;
+- ``("rows", [(table, row), ...], slot_rows)``: rows taken together (a step's frame,
+  its slots column-wise; the relay rows of one read or write);
 - ``("end", status, error)``: the run's fate (``finished``, ``crashed``, ``timeout``).
 
 An ``error`` is a dict: ``type``, ``phase`` (``setup``, ``loop``...), ``message``,

@@ -22,6 +22,7 @@ forking thread, here the server's only one).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import selectors
@@ -53,8 +54,17 @@ def preload() -> None:
     import sglang.srt.server_args  # noqa: F401
     import mlx_lm.models.llama  # noqa: F401  (the tiny model of the real MLX runner)
 
+    from contract_lib.compat import BUILD_IMPORTS
+
+    for name in BUILD_IMPORTS:  # what each Scheduler build would import afresh
+        with contextlib.suppress(ImportError):  # a release without it
+            importlib.import_module(name)
+
     import contract_lib.capture  # noqa: F401
     import contract_lib.child  # noqa: F401
+    from contract_lib.cache import remember_loaded_modules
+
+    remember_loaded_modules()  # last: after every import above
 
 
 def main() -> None:

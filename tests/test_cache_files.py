@@ -140,6 +140,47 @@ def test_user_modules_lists_only_files_outside_the_installed_code(tmp_path, monk
     assert str(Path(__file__).resolve()) in found
 
 
+@pytest.mark.fast
+def test_a_forked_run_looks_only_at_the_modules_it_loaded(tmp_path, monkeypatch):
+    """The warm server looks at its own ~6000 modules once, before it forks runs; a run's
+    ``user_modules`` adds what the run loaded itself, and still finds a user module."""
+    import importlib
+
+    tag = tmp_path.name.replace("-", "_")
+    for name in ("before", "after"):
+        (tmp_path / f"cf_{name}_{tag}.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(cache, "_LOADED_BEFORE", ({}, {}))
+    importlib.import_module(f"cf_before_{tag}")
+    cache.remember_loaded_modules()  # the server, before its first fork
+    importlib.import_module(f"cf_after_{tag}")  # the run's own import
+    looked_at = []
+    real_file_hash = cache._file_hash
+    monkeypatch.setattr(cache, "_file_hash", lambda path: looked_at.append(path)
+                        or real_file_hash(path))
+    found = cache.user_modules()
+    before, after = (str((tmp_path / f"cf_{name}_{tag}.py").resolve())
+                     for name in ("before", "after"))
+    assert {before, after} <= set(found)
+    assert after in looked_at and before not in looked_at  # hashed by the server
+
+
+@pytest.mark.fast
+def test_the_install_stamp_is_read_again_after_an_install(tmp_path, monkeypatch):
+    """Read once per search path, then reused while its files and the search path's
+    directories keep their mtimes; an install (a new entry in one of them) rereads it."""
+    reads = []
+    real_read = cache._read_install_stamp
+    monkeypatch.setattr(cache, "_read_install_stamp",
+                        lambda sglang_dir: reads.append(sglang_dir) or real_read(sglang_dir))
+    monkeypatch.syspath_prepend(str(tmp_path))  # a search path of its own: no memo yet
+    stamp = cache._install_stamp()
+    assert cache._install_stamp() == stamp and len(reads) == 1
+    (tmp_path / "newdist-1.0.dist-info").mkdir()  # what pip does to a search path entry
+    os.utime(tmp_path, ns=(1, 1))  # a distinct mtime however coarse the filesystem's clock
+    assert cache._install_stamp() == stamp and len(reads) == 2
+
+
 # -- 2. trusted contents: poisoned and malformed entries --------------------------------------
 
 

@@ -7,7 +7,6 @@ import copy
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import contract_lib
@@ -273,7 +272,7 @@ def test_writes_are_attributed_to_the_row_holder_even_when_values_repeat():
             self.kv = Kv(row)
 
     recorder = Recorder.__new__(Recorder)
-    recorder.written_by = np.full((3, 8), -1, dtype=np.int32)
+    recorder.track_row_writes((3, 8))
     first, second = Req(1), Req(None)
     recorder.reqs = {"first": first, "second": second}
     recorder.on_row_write((1, slice(0, 4)))

@@ -3,21 +3,22 @@ original (the list is in :mod:`contract_lib.capture`)."""
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from contract_lib.capture.backend_state import BackendStateRecorder
 
 
-@functools.lru_cache(maxsize=4)
-def _row_numbers(shape: tuple[int, int]):
-    """A tensor of ``shape`` whose every entry holds its row number (a broadcast view, no
-    copy): indexed like ``req_to_token``, it gives the row of each entry an index selects,
-    whatever form the index takes."""
+def _numpy_index(indices):
+    """The same index for the numpy view of the table (CPU tensors become arrays, no
+    copy): numpy indexes a few entries in ~1 µs where torch takes ~10 µs an op."""
     import torch
 
-    return torch.arange(shape[0]).view(-1, 1).expand(shape)
+    if isinstance(indices, torch.Tensor):
+        return indices.numpy()
+    if isinstance(indices, tuple):
+        return tuple(part.numpy() if isinstance(part, torch.Tensor) else part
+                     for part in indices)
+    return indices
 
 
 class HookInstaller:
@@ -140,7 +141,7 @@ class HookInstaller:
         """Wrap ``write`` on the class that defines it (not the instance), before the
         effects recorder wraps the same class: its hook then still sees SGLang's caller."""
         pool = self.s.req_to_token_pool
-        self.written_by = np.full(tuple(pool.req_to_token.shape), -1, dtype=np.int32)
+        self.track_row_writes(tuple(pool.req_to_token.shape))
         owner = next(c for c in type(pool).__mro__ if "write" in vars(c))
         real_write = owner.write
         recorder = self
@@ -153,26 +154,35 @@ class HookInstaller:
 
         owner.write = write
 
+    def track_row_writes(self, shape: tuple[int, int]) -> None:
+        """Start ``written_by`` for a ``req_to_token`` table of ``shape``: -1 everywhere."""
+        self.written_by = np.full(shape, -1, dtype=np.int32)
+        # Every entry holds its row number (a broadcast view, no copy): indexed like
+        # ``req_to_token``, it gives the row of each entry an index selects.
+        self._row_numbers = np.broadcast_to(np.arange(shape[0])[:, None], shape)
+        self._holders: tuple[tuple, np.ndarray | None] = ((), None)
+
     def on_row_write(self, indices) -> None:
         """Attribute the entries ``req_to_token[indices]`` just written to the request
         holding each row (by index, whatever form ``indices`` takes): the same index
-        applied to ``written_by`` and to a table of row numbers, so it costs the write's
-        size, not the table's."""
-        import torch
+        applied to ``written_by`` and to the row numbers, so it costs the write's size,
+        not the table's."""
+        index = _numpy_index(indices)
+        self.written_by[index] = self._row_holders()[self._row_numbers[index]]
 
-        shape = self.written_by.shape
-        holders = torch.from_numpy(self._row_holders(shape[0]))
-        torch.from_numpy(self.written_by)[indices] = holders[_row_numbers(shape)[indices]]
-
-    def _row_holders(self, rows: int) -> np.ndarray:
+    def _row_holders(self) -> np.ndarray:
         """Per ``req_to_token`` row: the registry index of the first request whose
-        ``req_pool_idx`` it is (-1: none)."""
-        holders = np.full(rows, -1, dtype=np.int32)
-        for index, req in reversed(list(enumerate(self.reqs.values()))):
-            row = req.kv.req_pool_idx
-            if row is not None and 0 <= row < rows:
-                holders[row] = index
-        return holders
+        ``req_pool_idx`` it is (-1: none); rebuilt only when a request's row changed."""
+        rows_held = tuple(req.kv.req_pool_idx for req in self.reqs.values())
+        if rows_held != self._holders[0] or self._holders[1] is None:
+            rows = self.written_by.shape[0]
+            holders = np.full(rows, -1, dtype=np.int32)
+            for index in reversed(range(len(rows_held))):
+                row = rows_held[index]
+                if row is not None and 0 <= row < rows:
+                    holders[row] = index
+            self._holders = (rows_held, holders)
+        return self._holders[1]
 
     def _install_mlx_launch_hooks(self) -> None:
         worker = self.s.tp_worker

@@ -89,23 +89,32 @@ class LaunchRecording:
         else:
             return
         values = future_map.output_tokens_buf[rows].tolist() if rows else []
+        taken = []
         for row, rid, value in zip(rows, rids, values):
             written = self.relay_written.get(row)
             last_value, last_rid = (written[0], written[1]) if written else (None, None)
             published = (written is not None and last_rid == rid
                          and last_value == self.latest_token.get(rid))
-            self.emit(("row", "relay", {
+            taken.append(("relay", {
                 "event": "read", "step": self.step, "launch": self.launch_ct + 1,
                 "loop": self.loop, "kind": kind, "row": row, "rid": rid, "value": value,
                 "last_published": last_value, "published_for_rid": published,
             }))
+        self._emit_rows(taken)
 
     def on_relay_write(self, indices, tokens, kind: str) -> None:
+        taken = []
         for row, value in zip(tolist(indices), tolist(tokens)):
             rid = self._row_owner(row)
             self.relay_written[row] = (int(value), rid, self.launch_ct)
-            self.emit(("row", "relay", {
+            taken.append(("relay", {
                 "event": "write", "step": self.step, "launch": self.launch_ct,
                 "loop": self.loop, "kind": kind, "row": row, "rid": rid, "value": int(value),
                 "last_published": None, "published_for_rid": None,
             }))
+        self._emit_rows(taken)
+
+    def _emit_rows(self, taken: list[tuple[str, dict]]) -> None:
+        """The rows one hook call took, in one message (sent before the call returns)."""
+        if taken:
+            self.emit(("rows", taken, []))

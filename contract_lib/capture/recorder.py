@@ -30,14 +30,14 @@ class StepBudgetExceeded(Exception):
     """Raised at a step boundary past the workload's ``max_steps``."""
 
 
-
 class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
     """Records frames of one run and streams them through ``emit`` as they are taken.
 
-    Messages are ``("row", table, row)``, ``("rows", [(table, row), ...], slots)`` (a
-    step boundary's whole frame, sent together as soon as it is taken; ``slots`` holds
-    ``(step, rid, req_pool_idx, [slot...], [free...], [written...])`` per live request) and ``("update", table,
-    key, value, fields)``; nothing is buffered, so a dying child loses nothing taken.
+    Messages are ``("row", table, row)``, ``("rows", [(table, row), ...], slots)`` (rows
+    taken together, sent as soon as they are: a step boundary's whole frame, or the relay
+    rows of one read or write; ``slots`` holds ``(step, rid, req_pool_idx, [slot...],
+    [free...], [written...])`` per live request) and ``("update", table, key, value,
+    fields)``; nothing is buffered, so a dying child loses nothing taken.
     """
 
     def __init__(self, scheduler, loop_spec: LoopSpec, workload: Workload, emit: Emit,
@@ -112,9 +112,7 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
                         error if isinstance(error, BaseException) else None)
 
     def _emit_effects(self) -> None:
-        rows = [("effects", row) for row in self.effects.take(self.loop)]
-        if rows:
-            self.emit(("rows", rows, []))
+        self._emit_rows([("effects", row) for row in self.effects.take(self.loop)])
 
     def done(self) -> bool:
         return (len(self.fed) == len(self.workload.requests)
