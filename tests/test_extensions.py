@@ -163,6 +163,31 @@ def test_clause7_not_exercised_without_backend_state(mlx_good):
 
 
 @pytest.mark.fast
+def test_backend_state_sees_structures_bound_or_keyed_later():
+    """The recorder re-reads an object's attribute names only when their names or types
+    changed; a dict bound where None was, a runner added, a dict keyed later are still
+    found at the next step."""
+    from types import SimpleNamespace
+
+    from contract_lib.capture.backend_state import BackendStateRecorder
+
+    worker = SimpleNamespace(model_runner=SimpleNamespace(rows_of={}), pending=None)
+    recorder = BackendStateRecorder(SimpleNamespace(tp_worker=worker))
+    reqs = {"a": object()}
+
+    def structures(step):
+        return {(row["rid"], row["structure"]) for row in recorder.rows(step, reqs)}
+
+    assert structures(0) == set()
+    worker.pending = {"a"}  # None -> a set: same names, another type
+    worker.model_runner.rows_of["a"] = 3  # same layout, keyed now
+    found = {("a", "tp_worker.pending"), ("a", "tp_worker.model_runner.rows_of")}
+    assert structures(1) == found
+    worker.draft_runner = SimpleNamespace(req_pool_idx={"a": 1})  # a new runner
+    assert structures(2) == found | {("a", "tp_worker.draft_runner.req_pool_idx")}
+
+
+@pytest.mark.fast
 def test_report_sections_and_clause_sets(saved):
     frames = saved("two-turn", "normal")
     text = check(frames).text()

@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
+
+
+@functools.lru_cache(maxsize=None)
+def _is_container(kind: type) -> bool:
+    """A dict or set type (subclasses too), asked once per type: a worker holds ~130
+    attributes, looked at every step."""
+    return issubclass(kind, (dict, set, frozenset))
+
+
+def _runner_attribute(name: str, kind: type) -> bool:
+    return name.endswith("runner")
+
+
+def _container_attribute(name: str, kind: type) -> bool:
+    return _is_container(kind)
 
 
 class BackendStateRecorder:
@@ -19,14 +35,30 @@ class BackendStateRecorder:
     def __init__(self, scheduler) -> None:
         self.s = scheduler
         self.per_request: set[str] = set()  # "object.attribute" found keyed by request ids
+        # (id(object), filter) -> (its attribute names and types, the names kept)
+        self._layouts: dict[tuple[int, Callable], tuple[tuple, list[str]]] = {}
+
+    def _names(self, obj, wanted: Callable[[str, type], bool]) -> list[str]:
+        """The sorted names of ``obj``'s attributes that ``wanted(name, type)`` keeps,
+        recomputed only when its attribute names or their types changed: that test runs
+        in C (~3 µs for a worker's ~130 attributes; a Python scan takes ~30 µs)."""
+        attributes = vars(obj)
+        layout = (tuple(attributes), tuple(map(type, attributes.values())))
+        known = self._layouts.get((id(obj), wanted))
+        if known is None or known[0] != layout:
+            known = (layout, sorted(name for name, kind in zip(*layout) if wanted(name, kind)))
+            self._layouts[(id(obj), wanted)] = known
+        return known[1]
 
     def _objects(self) -> dict[str, Any]:
         worker = getattr(self.s, "tp_worker", None)
         if worker is None:
             return {}
         objects = {"tp_worker": worker}
-        for name, value in vars(worker).items():
-            if name.endswith("runner") and value is not None and hasattr(value, "__dict__"):
+        attributes = vars(worker)
+        for name in self._names(worker, _runner_attribute):
+            value = attributes[name]
+            if value is not None and hasattr(value, "__dict__"):
                 objects[f"tp_worker.{name}"] = value
         return objects
 
@@ -35,11 +67,10 @@ class BackendStateRecorder:
         rows = []
         for owner, obj in self._objects().items():
             attributes = vars(obj)
-            # The non-empty containers only, then sorted: an empty one holds no key and
-            # cannot be found per-request yet (it is looked at again every step).
-            for name in sorted(name for name, value in attributes.items()
-                               if isinstance(value, (dict, set, frozenset)) and value):
+            for name in self._names(obj, _container_attribute):
                 value = attributes[name]
+                if not value:  # holds no key: not found per-request yet (looked at again)
+                    continue
                 structure = f"{owner}.{name}"
                 keys = [k for k in value if isinstance(k, str)]
                 if structure not in self.per_request:
