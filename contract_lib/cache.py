@@ -36,13 +36,13 @@ import os
 import platform
 import re
 import warnings
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from contract_lib.atomic import temporary_name_pattern
 from contract_lib.frames import (SCHEMA_VERSION, Frames, FramesFormatError, read_payload,
                                  write_payload)
+from contract_lib.installs import install_stamp
 from contract_lib.patches import PatchSpec
 from contract_lib.paths import MODEL_DIR, PACKAGE_DIR, PROJECT_ROOT
 
@@ -65,68 +65,11 @@ def _digest(parts: list[Any]) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
-# (sglang_dir, sys.path) -> (stamp, the files and directories it depends on, their mtimes)
-_STAMPS: dict[tuple, tuple[tuple, tuple[str, ...], tuple]] = {}
-
-
-def _mtimes(paths: tuple[str, ...]) -> tuple:
-    found = []
-    for path in paths:
-        try:
-            found.append(os.stat(path).st_mtime_ns)
-        except OSError:
-            found.append(None)
-    return tuple(found)
-
-
-def _install_stamp(sglang_dir: Path | None = None) -> tuple:
-    """Changes whenever a distribution is installed or reinstalled. ``sglang_dir``: a
-    release folder (:func:`contract_lib.versions.sglang_path`) whose SGLang replaces the
-    venv's. Read once per process and search path (~10 ms of package metadata), then
-    reused while every ``RECORD`` file it read and every directory on the search path
-    keep their mtimes (an install or removal adds or deletes entries there): a stat each."""
-    import sys
-
-    memo_key = (str(sglang_dir), tuple(sys.path))
-    memo = _STAMPS.get(memo_key)
-    if memo is not None and _mtimes(memo[1]) == memo[2]:
-        return memo[0]
-    stamp, records = _read_install_stamp(sglang_dir)
-    watched = (*records, *(path or "." for path in sys.path if os.path.isdir(path or ".")),
-               *([str(sglang_dir)] if sglang_dir is not None else []))
-    _STAMPS[memo_key] = (stamp, watched, _mtimes(watched))
-    return stamp
-
-
-def _read_install_stamp(sglang_dir: Path | None) -> tuple[tuple, list[str]]:
-    """The stamp (name, version, RECORD mtime per distribution) and the RECORD files read."""
-    stamp, records = [], []
-    for dist in ("sglang", "torch", "mlx", "mlx-lm", "transformers"):
-        if dist == "sglang" and sglang_dir is not None:
-            found = list(metadata.distributions(name="sglang", path=[str(sglang_dir)]))
-            if found:
-                record = found[0].locate_file(f"sglang-{found[0].version}.dist-info/RECORD")
-                stamp.append((dist, found[0].version, str(sglang_dir),
-                              os.stat(record).st_mtime_ns))
-                records.append(str(record))
-            else:
-                stamp.append((dist, None, str(sglang_dir), None))
-            continue
-        try:
-            record = metadata.distribution(dist).locate_file(
-                f"{dist.replace('-', '_')}-{metadata.version(dist)}.dist-info/RECORD")
-            stamp.append((dist, metadata.version(dist), os.stat(record).st_mtime_ns))
-            records.append(str(record))
-        except (metadata.PackageNotFoundError, OSError):
-            stamp.append((dist, None, None))
-    return tuple(stamp), records
-
-
 def _environment_fingerprint(sglang_dir: Path | None = None) -> str:
     """The run's SGLang files and the runtime versions (see :func:`_files_fingerprint`)."""
     if sglang_dir is None:
-        return _files_fingerprint(_install_stamp())
-    return _files_fingerprint(_install_stamp(sglang_dir), str(sglang_dir))
+        return _files_fingerprint(install_stamp())
+    return _files_fingerprint(install_stamp(sglang_dir), str(sglang_dir))
 
 
 @functools.lru_cache(maxsize=8)

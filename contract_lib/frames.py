@@ -50,11 +50,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
+import math
 import types
 import typing
+from pathlib import Path
 from typing import Any, TypedDict
 
+import numpy as np
 import pandas as pd
 
 from contract_lib.atomic import atomic_write
@@ -205,10 +207,7 @@ class Frames:
         return {
             "schema_version": SCHEMA_VERSION,
             "meta": self.meta,
-            "tables": {
-                name: json.loads(table.to_json(orient="split", index=False))
-                for name, table in self.tables.items()
-            },
+            "tables": {name: _json_table(table) for name, table in self.tables.items()},
         }
 
     def save(self, path: str | Path) -> Path:
@@ -239,6 +238,28 @@ class Frames:
             for name, columns in COLUMNS.items()
         }
         return cls(tables=tables, meta=meta)
+
+
+def _json_table(table: pd.DataFrame) -> dict[str, list]:
+    """``{"columns", "data"}`` of ``table`` in JSON-native values (missing ones None): what
+    ``json.loads(table.to_json(orient="split", index=False))`` gives, but floats at full
+    precision (``to_json`` keeps 10 decimals), in a fifth of the time."""
+    columns = []
+    for name in table.columns:
+        values = table[name].tolist()  # Python scalars, NaN for missing floats
+        columns.append(values if table[name].dtype.kind in "biu"
+                       else [_json_value(value) for value in values])
+    return {"columns": list(table.columns), "data": [list(row) for row in zip(*columns)]}
+
+
+def _json_value(value: Any) -> Any:
+    if value is None or value is pd.NA or value is pd.NaT:
+        return None
+    if isinstance(value, float):
+        return None if math.isnan(value) or math.isinf(value) else value
+    if isinstance(value, np.generic):
+        return _json_value(value.item())
+    return value
 
 
 def write_payload(path: str | Path, payload: dict[str, Any], compact: bool = False) -> Path:

@@ -31,7 +31,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.errors import Unsatisfiable
 
 from contract_lib import loops
-from contract_lib.contract import check, sglang_finding, violation_message
+from contract_lib.contract import Report, check, sglang_finding, violation_message
 from contract_lib.frames import Frames
 from contract_lib.harness import run
 from contract_lib.patches import PatchSpec, patch_spec
@@ -191,13 +191,15 @@ def _server_args(draw, longest: int) -> dict[str, Any]:
 
 
 def judge(frames: Frames, reference: Frames | None, clause: int | None,
-          clauses: str = "all") -> Finding | None:
+          clauses: str = "all", report: Report | None = None) -> Finding | None:
     """The finding a run shows, or None. ``reference``: the unpatched torch normal loop on
     the same workload (None: no token comparison). ``clauses``: the clause set checked
-    (``all`` or ``rfc``); a violation that is exactly a catalogued SGLang-wide bug (the
-    torch loops' own clause 6, :func:`contract_lib.contract.sglang_finding`) is not a
-    finding: it is what the reference loops do too."""
-    for number, result in check(frames, clauses).clauses.items():
+    (``all`` or ``rfc``); ``report``: that check, when the caller has it already. A
+    violation that is exactly a catalogued SGLang-wide bug (the torch loops' own clause 6,
+    :func:`contract_lib.contract.sglang_finding`) is not a finding: it is what the
+    reference loops do too."""
+    report = report or check(frames, clauses)
+    for number, result in report.clauses.items():
         if (clause is not None and number != clause) or result.violations.empty \
                 or sglang_finding(number, result):
             continue
@@ -219,15 +221,16 @@ def judge(frames: Frames, reference: Frames | None, clause: int | None,
     return None
 
 
-def _discarded(frames: Frames, clauses: str) -> str | None:
-    """Why a generated run proves nothing either way (set-up error, another loop, vacuous)."""
+def _discarded(frames: Frames, report: Report) -> str | None:
+    """Why a generated run proves nothing either way (set-up error, another loop, vacuous);
+    ``report``: its check."""
     if setup_failed(frames.meta):
         error = frames.error or {}
         return f"{error.get('type')}: {error.get('message')}"
     mismatch = loop_mismatch(frames.meta)
     if mismatch:
         return mismatch
-    if frames.status == "finished" and check(frames, clauses).vacuity():
+    if frames.status == "finished" and report.vacuity():
         return "vacuous"
     return None
 
@@ -318,12 +321,13 @@ def _evaluate(campaign: Campaign, workload: Workload,
                               sglang=_release(campaign.loop)) if needs_reference else None)
     frames = ours.result()
     reference = theirs.result() if theirs else None
-    why = _discarded(frames, campaign.clauses)
+    report = check(frames, campaign.clauses)  # once, for both questions
+    why = _discarded(frames, report)
     if why:
         if why != "vacuous":
             campaign.setup_errors.append(why)
         return why
-    return judge(frames, reference, campaign.clause, campaign.clauses)
+    return judge(frames, reference, campaign.clause, campaign.clauses, report)
 
 
 def _release(loop: str) -> str | None:

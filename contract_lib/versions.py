@@ -19,7 +19,6 @@ import subprocess
 import sys
 import threading
 import time
-from importlib import metadata
 from pathlib import Path
 
 from contract_lib.compat import SUPPORTED_SGLANG_VERSIONS
@@ -40,10 +39,9 @@ class SGLangInstallError(RuntimeError):
 
 
 def installed_sglang_version() -> str | None:
-    try:
-        return metadata.version("sglang")
-    except metadata.PackageNotFoundError:
-        return None
+    from contract_lib.installs import installed_version
+
+    return installed_version("sglang")
 
 
 def _supported_text() -> str:

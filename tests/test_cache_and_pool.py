@@ -66,8 +66,8 @@ def test_key_changes_with_everything_that_determines_a_run(monkeypatch, tmp_path
     assert cache.key(_spec(patch="fix-idle-predicate")) != base
     assert cache.key(_spec(server_args={"max_running_requests": 4})) != base
     # an SGLang reinstall or another version
-    stamp = cache._install_stamp()
-    monkeypatch.setattr(cache, "_install_stamp",
+    stamp = cache.install_stamp()
+    monkeypatch.setattr(cache, "install_stamp",
                         lambda: (("sglang", "0.5.24", 1),) + stamp[1:])
     assert cache.key(_spec()) != base
     monkeypatch.undo()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import contract_lib
-from contract_lib import cache
+from contract_lib import cache, installs
 from contract_lib.cli import main
 from contract_lib.contract import check
 from contract_lib.frames import COLUMNS, SCHEMA_VERSION, Frames, FramesFormatError
@@ -170,15 +170,15 @@ def test_the_install_stamp_is_read_again_after_an_install(tmp_path, monkeypatch)
     """Read once per search path, then reused while its files and the search path's
     directories keep their mtimes; an install (a new entry in one of them) rereads it."""
     reads = []
-    real_read = cache._read_install_stamp
-    monkeypatch.setattr(cache, "_read_install_stamp",
+    real_read = installs._read_install_stamp
+    monkeypatch.setattr(installs, "_read_install_stamp",
                         lambda sglang_dir: reads.append(sglang_dir) or real_read(sglang_dir))
     monkeypatch.syspath_prepend(str(tmp_path))  # a search path of its own: no memo yet
-    stamp = cache._install_stamp()
-    assert cache._install_stamp() == stamp and len(reads) == 1
+    stamp = cache.install_stamp()
+    assert installs.install_stamp() == stamp and len(reads) == 1
     (tmp_path / "newdist-1.0.dist-info").mkdir()  # what pip does to a search path entry
     os.utime(tmp_path, ns=(1, 1))  # a distinct mtime however coarse the filesystem's clock
-    assert cache._install_stamp() == stamp and len(reads) == 2
+    assert installs.install_stamp() == stamp and len(reads) == 2
 
 
 # -- 2. trusted contents: poisoned and malformed entries --------------------------------------

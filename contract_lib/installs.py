@@ -1,0 +1,74 @@
+"""What is installed: the name, version and ``RECORD`` mtime of each distribution a run
+depends on (SGLang, torch, mlx, mlx-lm, transformers), read once per process and search
+path and revalidated by stat (the frame cache's key and the warm server's fingerprint
+use it on every run; reading package metadata costs ~10 ms)."""
+
+from __future__ import annotations
+
+import os
+from importlib import metadata
+from pathlib import Path
+
+STAMPED = ("sglang", "torch", "mlx", "mlx-lm", "transformers")
+
+
+# (sglang_dir, sys.path) -> (stamp, the files and directories it depends on, their mtimes)
+_STAMPS: dict[tuple, tuple[tuple, tuple[str, ...], tuple]] = {}
+
+
+def _mtimes(paths: tuple[str, ...]) -> tuple:
+    found = []
+    for path in paths:
+        try:
+            found.append(os.stat(path).st_mtime_ns)
+        except OSError:
+            found.append(None)
+    return tuple(found)
+
+
+def install_stamp(sglang_dir: Path | None = None) -> tuple:
+    """Changes whenever a distribution is installed or reinstalled. ``sglang_dir``: a
+    release folder (:func:`contract_lib.versions.sglang_path`) whose SGLang replaces the
+    venv's. Read once per process and search path (~10 ms of package metadata), then
+    reused while every ``RECORD`` file it read and every directory on the search path
+    keep their mtimes (an install or removal adds or deletes entries there): a stat each."""
+    import sys
+
+    memo_key = (str(sglang_dir), tuple(sys.path))
+    memo = _STAMPS.get(memo_key)
+    if memo is not None and _mtimes(memo[1]) == memo[2]:
+        return memo[0]
+    stamp, records = _read_install_stamp(sglang_dir)
+    watched = (*records, *(path or "." for path in sys.path if os.path.isdir(path or ".")),
+               *([str(sglang_dir)] if sglang_dir is not None else []))
+    _STAMPS[memo_key] = (stamp, watched, _mtimes(watched))
+    return stamp
+
+
+def _read_install_stamp(sglang_dir: Path | None) -> tuple[tuple, list[str]]:
+    """The stamp (name, version, RECORD mtime per distribution) and the RECORD files read."""
+    stamp, records = [], []
+    for dist in STAMPED:
+        if dist == "sglang" and sglang_dir is not None:
+            found = list(metadata.distributions(name="sglang", path=[str(sglang_dir)]))
+            if found:
+                record = found[0].locate_file(f"sglang-{found[0].version}.dist-info/RECORD")
+                stamp.append((dist, found[0].version, str(sglang_dir),
+                              os.stat(record).st_mtime_ns))
+                records.append(str(record))
+            else:
+                stamp.append((dist, None, str(sglang_dir), None))
+            continue
+        try:
+            record = metadata.distribution(dist).locate_file(
+                f"{dist.replace('-', '_')}-{metadata.version(dist)}.dist-info/RECORD")
+            stamp.append((dist, metadata.version(dist), os.stat(record).st_mtime_ns))
+            records.append(str(record))
+        except (metadata.PackageNotFoundError, OSError):
+            stamp.append((dist, None, None))
+    return tuple(stamp), records
+
+
+def installed_version(dist: str) -> str | None:
+    """The venv's version of ``dist`` (one of :data:`STAMPED`), None if not installed."""
+    return dict((entry[0], entry[1]) for entry in install_stamp()).get(dist)
