@@ -13,6 +13,7 @@ from pathlib import Path
 from contract_lib import pool
 
 _saved: dict[str, str | None] = {}
+_prestarts: list = []
 
 
 def pytest_configure(config):
@@ -21,8 +22,20 @@ def pytest_configure(config):
     os.environ[pool.SERVER_DIR_ENV] = directory
 
 
+def pytest_collection_finish(session):
+    """Notebooks collected: start the servers of the venv's SGLang and of each installed
+    release now, side by side, while the first kernels start (each notebook kernel
+    would otherwise wait for the first import of each release in turn)."""
+    if any(str(item.path).endswith(".ipynb") for item in session.items):
+        from contract_lib.versions import installed_release_folders
+
+        _prestarts.extend(pool.prestart([None, *installed_release_folders()]))
+
+
 def pytest_unconfigure(config):
     directory = Path(os.environ[pool.SERVER_DIR_ENV])
+    for thread in _prestarts:  # a server still starting would be missed by stop_all
+        thread.join()
     pool.stop_all(directory)
     shutil.rmtree(directory, ignore_errors=True)
     if _saved.get(pool.SERVER_DIR_ENV) is None:

@@ -88,6 +88,13 @@ def _complete(folder: Path, version: str) -> bool:
             and (folder / f"sglang-{version}.dist-info").is_dir())
 
 
+def installed_release_folders() -> list[Path]:
+    """The folders of the supported releases installed next to the venv's SGLang."""
+    venv = installed_sglang_version()
+    return [release_folder(version) for version in SUPPORTED_SGLANG_VERSIONS
+            if version != venv and _complete(release_folder(version), version)]
+
+
 def sglang_path(version: str | None) -> Path | None:
     """The folder to put first on a run's ``PYTHONPATH`` for SGLang ``version``, or
     None when the venv's own SGLang is that release (or ``version`` is None).

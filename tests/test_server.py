@@ -96,6 +96,27 @@ def test_later_processes_and_the_cli_fork_from_the_same_server(servers):
     assert "current" in shown.stdout and "exits in" in shown.stdout
 
 
+def test_server_start_warms_the_server_the_next_run_forks_from(servers):
+    """``server start`` returns once the server listens; the next command's run is
+    forked from it (the same pid), not from a replacement."""
+    started = subprocess.run([sys.executable, "-m", "contract_lib", "server", "start"],
+                             cwd=PROJECT_ROOT, env=_env(servers), capture_output=True,
+                             text=True)
+    assert started.returncode == 0, started.stderr
+    (status,) = pool.statuses(servers)
+    assert status["runs_served"] == 0 and "current" in started.stdout
+    done = subprocess.run([sys.executable, "-m", "contract_lib", "check", "--loop", "normal",
+                           "--workload", "single-decode", "--no-cache", "--clauses", "rfc"],
+                          cwd=PROJECT_ROOT, env=_env(servers), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    (after,) = pool.statuses(servers)
+    assert after["pid"] == status["pid"] and after["runs_served"] == 1
+    refused = subprocess.run([sys.executable, "-m", "contract_lib", "server", "start",
+                              "--sglang", "0.9"], cwd=PROJECT_ROOT, env=_env(servers),
+                             capture_output=True, text=True)
+    assert refused.returncode == 2 and "supports sglang" in refused.stderr
+
+
 def test_concurrent_threads_share_one_server(servers):
     results = run_many([{"workload": "two-turn", "loop": loop, "cache": False}
                         for loop in ("normal", "overlap", "mlx") for _ in range(3)],

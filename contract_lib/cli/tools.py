@@ -88,10 +88,19 @@ def _duration(seconds: float) -> str:
 
 
 def cmd_server(args) -> int:
-    """``server status``: one line per warm server; ``server stop``: stop them all."""
+    """``server status``: one line per warm server; ``server stop``: stop them all;
+    ``server start``: start the servers of the venv's SGLang (or of each ``--sglang``)
+    now, side by side, then print the status."""
     from contract_lib import pool
 
     directory = pool.server_dir()
+    if args.action == "start":
+        from contract_lib.sources import resolve
+
+        sources = [resolve(sglang) for sglang in args.sglang or [None]]
+        for thread in pool.prestart([source.sglang_dir for source in sources],
+                                    [source.identity or None for source in sources]):
+            thread.join()
     if args.action == "stop":
         stopped = pool.stop_all(directory)
         print(f"stopped {len(stopped)} warm server(s) in {directory}"
@@ -151,6 +160,9 @@ def register(commands) -> None:
     cache_parser.set_defaults(handler=cmd_cache)
     server_parser = commands.add_parser(
         "server", help="the warm servers (one per SGLang release, started on first use, "
-        "exit when idle): status, or stop them all")
-    server_parser.add_argument("action", choices=["status", "stop"])
+        "exit when idle): status, stop them all, or start them ahead of the first run")
+    server_parser.add_argument("action", choices=["status", "stop", "start"])
+    server_parser.add_argument("--sglang", action="append", metavar="VERSION|PATH",
+                               help="start: a release or source tree whose server to start "
+                               "(repeatable; default: the venv's SGLang)")
     server_parser.set_defaults(handler=cmd_server)
