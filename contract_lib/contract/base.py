@@ -63,7 +63,9 @@ def _violations(clause: int, loop: str, rows: pd.DataFrame | list[dict[str, Any]
     table = pd.DataFrame(rows) if isinstance(rows, list) else rows
     table = table.assign(clause=clause, name=CLAUSES[clause], loop=loop)
     table = table.reindex(columns=VIOLATION_COLUMNS).astype({"launch": object, "rid": object})
-    table = table.where(table.notna(), None)
+    for name in table.columns[table.isna().any().to_numpy()]:  # None for missing values,
+        column = table[name].astype(object)  # only where some are (a whole-frame where()
+        table[name] = column.where(column.notna(), None)  # costs ~1 ms more)
     return table.sort_values(["step", "launch"], kind="stable",
                              na_position="first").reset_index(drop=True)
 
