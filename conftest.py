@@ -23,14 +23,13 @@ def pytest_configure(config):
 
 
 def pytest_collection_finish(session):
-    """Notebooks collected: start the servers of the venv's SGLang, then of each
-    installed release (newest first), in the background while the kernels start and
-    run, instead of each import waiting for the first run that needs it."""
+    """Notebooks collected: start the servers of the venv's SGLang and of each installed
+    release now, side by side, in the background while the first kernels start (each
+    import would otherwise wait for the first run that needs it)."""
     if any(str(item.path).endswith(".ipynb") for item in session.items):
         from contract_lib.versions import installed_release_folders
 
-        folders = [None, *reversed(installed_release_folders())]
-        _prestarts.extend(pool.prestart(folders, in_turn=True))
+        _prestarts.extend(pool.prestart([None, *installed_release_folders()]))
 
 
 def pytest_unconfigure(config):

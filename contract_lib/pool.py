@@ -305,33 +305,28 @@ class Pool:
 POOL = Pool()
 
 
-def prestart(sglang_dirs: list, identities: list | None = None,
-             in_turn: bool = False) -> list[threading.Thread]:
+def prestart(sglang_dirs: list, identities: list | None = None) -> list[threading.Thread]:
     """Start the warm server of each SGLang folder (None: the venv's; ``identities``: a
     source tree's or diff copy's, as :func:`contract_lib.sources.resolve` gives it) now,
-    in background threads, so that the first run on it does not wait ~6 s for its import;
-    returns the threads (join them before stopping the servers). ``in_turn``: one thread
-    starting them in the order given (the first is ready soonest), else side by side. A
-    run that needs a server meanwhile waits for it: a start holds the server's lock. A
+    side by side in background threads, so that the first run on each does not wait ~6 s
+    for its import; returns the threads (join them before stopping the servers). A run
+    that needs a server meanwhile waits for it: a start holds the server's lock. A
     server that cannot start is left to the first run to report."""
-    servers = []
+    threads = []
     for sglang_dir, identity in zip(sglang_dirs, identities or [None] * len(sglang_dirs)):
         server = POOL.acquire(sglang_dir, identity)
         if server is None:
-            return []
-        servers.append(server)
-    groups = [servers] if in_turn else [[server] for server in servers]
-    threads = [threading.Thread(target=_start_quietly, args=(group,), daemon=True,
-                                name="contract_lib-prestart") for group in groups]
-    for thread in threads:
+            break
+        thread = threading.Thread(target=_start_quietly, args=(server,), daemon=True,
+                                  name=f"contract_lib-prestart {server.label()}")
         thread.start()
+        threads.append(thread)
     return threads
 
 
-def _start_quietly(servers: list["Server"]) -> None:
-    for server in servers:
-        with contextlib.suppress(ServerUnavailable, OSError):
-            server.start(server.fingerprint())
+def _start_quietly(server: "Server") -> None:
+    with contextlib.suppress(ServerUnavailable, OSError):
+        server.start(server.fingerprint())
 
 
 # -- every server of a directory (the `server` command, tests) -----------------------------
