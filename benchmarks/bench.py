@@ -29,7 +29,7 @@ from pathlib import Path
 import pandas as pd
 
 import contract_lib
-from contract_lib import cache, pool
+from contract_lib import pool
 from contract_lib.contract import check
 from contract_lib.frames import Frames
 
