@@ -115,6 +115,10 @@ def test_server_start_warms_the_server_the_next_run_forks_from(servers):
                               "--sglang", "0.9"], cwd=PROJECT_ROOT, env=_env(servers),
                              capture_output=True, text=True)
     assert refused.returncode == 2 and "supports sglang" in refused.stderr
+    off = subprocess.run([sys.executable, "-m", "contract_lib", "server", "start"],
+                         cwd=PROJECT_ROOT, env=_env(servers, **{pool.SERVER_SWITCH_ENV: "off"}),
+                         capture_output=True, text=True)
+    assert off.returncode == 2 and "switched off" in off.stderr
 
 
 def test_concurrent_threads_share_one_server(servers):

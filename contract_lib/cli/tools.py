@@ -94,13 +94,8 @@ def cmd_server(args) -> int:
     from contract_lib import pool
 
     directory = pool.server_dir()
-    if args.action == "start":
-        from contract_lib.sources import resolve
-
-        sources = [resolve(sglang) for sglang in args.sglang or [None]]
-        for thread in pool.prestart([source.sglang_dir for source in sources],
-                                    [source.identity or None for source in sources]):
-            thread.join()
+    if args.action == "start" and (failed := _start_servers(args.sglang or [None])):
+        return failed
     if args.action == "stop":
         stopped = pool.stop_all(directory)
         print(f"stopped {len(stopped)} warm server(s) in {directory}"
@@ -122,6 +117,28 @@ def cmd_server(args) -> int:
               f"{status['sglang_dir'] or 'the venv'}, up {_duration(status['uptime_s'])}, "
               f"{idle}, {status['runs_served']} runs served, {state}")
     return 0
+
+
+def _start_servers(sglangs: list) -> int:
+    """Start the server of each SGLang (side by side); 0, or 2 with one line per server
+    that is not listening afterwards (servers switched off, or its start failed)."""
+    from contract_lib import pool
+    from contract_lib.sources import resolve
+
+    if not pool.enabled():
+        print(f"error: warm servers are switched off ({pool.SERVER_SWITCH_ENV}=off); runs "
+              "start cold, nothing to start", file=sys.stderr)
+        return 2
+    sources = [resolve(sglang) for sglang in sglangs]
+    dirs, identities = ([s.sglang_dir for s in sources], [s.identity or None for s in sources])
+    for thread in pool.prestart(dirs, identities):
+        thread.join()
+    down = [server for server in (pool.POOL.acquire(d, i) for d, i in zip(dirs, identities))
+            if server is None or server.ask(("status",)) is None]
+    for server in down:
+        print(f"error: the warm server for {server.label() if server else 'SGLang'} did not "
+              f"start (log: {server.log_path if server else 'none'})", file=sys.stderr)
+    return 2 if down else 0
 
 
 def register(commands) -> None:
