@@ -106,6 +106,7 @@ def _size_and_mtime(path: Path) -> tuple[int, int] | None:
 
 @functools.lru_cache(maxsize=4)
 def _library_digest(stats: tuple) -> str:
+    """The files' content digest; ``stats`` (their sizes and mtimes) is only the memo key."""
     return _digest([(str(p.relative_to(PROJECT_ROOT)),
                      hashlib.sha256(p.read_bytes()).hexdigest()) for p in LIBRARY_FILES])
 

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from contract_lib.compat import SUPPORTED_SGLANG_VERSIONS
+from contract_lib.installs import installed_version
 from contract_lib.paths import PROJECT_ROOT
 
 RELEASES_DIR_ENV = "CONTRACT_LIB_SGLANG_DIR"
@@ -39,8 +40,6 @@ class SGLangInstallError(RuntimeError):
 
 
 def installed_sglang_version() -> str | None:
-    from contract_lib.installs import installed_version
-
     return installed_version("sglang")
 
 
