@@ -198,7 +198,7 @@ def judge(frames: Frames, reference: Frames | None, clause: int | None,
     violation that is exactly a catalogued SGLang-wide bug (the torch loops' own clause 6,
     :func:`contract_lib.contract.sglang_finding`) is not a finding: it is what the
     reference loops do too."""
-    report = report or check(frames, clauses)
+    report = report if report is not None else check(frames, clauses)
     for number, result in report.clauses.items():
         if (clause is not None and number != clause) or result.violations.empty \
                 or sglang_finding(number, result):

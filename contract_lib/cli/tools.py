@@ -120,8 +120,8 @@ def cmd_server(args) -> int:
 
 
 def _start_servers(sglangs: list) -> int:
-    """Start the server of each SGLang (side by side); 0, or 2 with one line per server
-    that is not listening afterwards (servers switched off, or its start failed)."""
+    """Start the server of each SGLang, side by side; 0, or 2 with one line per server
+    that is not listening afterwards (or when servers are switched off)."""
     from contract_lib import pool
     from contract_lib.sources import resolve
 
@@ -130,14 +130,16 @@ def _start_servers(sglangs: list) -> int:
               "start cold, nothing to start", file=sys.stderr)
         return 2
     sources = [resolve(sglang) for sglang in sglangs]
-    dirs, identities = ([s.sglang_dir for s in sources], [s.identity or None for s in sources])
+    dirs, identities = [s.sglang_dir for s in sources], [s.identity or None for s in sources]
+    servers = [pool.POOL.acquire(d, i) for d, i in zip(dirs, identities)]
+    if None in servers:
+        return 2  # the server directory cannot be used (acquire printed why)
     for thread in pool.prestart(dirs, identities):
         thread.join()
-    down = [server for server in (pool.POOL.acquire(d, i) for d, i in zip(dirs, identities))
-            if server is None or server.ask(("status",)) is None]
+    down = [server for server in servers if server.ask(("status",)) is None]
     for server in down:
-        print(f"error: the warm server for {server.label() if server else 'SGLang'} did not "
-              f"start (log: {server.log_path if server else 'none'})", file=sys.stderr)
+        print(f"error: the warm server for {server.label()} did not start "
+              f"(log: {server.log_path})", file=sys.stderr)
     return 2 if down else 0
 
 
