@@ -281,6 +281,24 @@ def test_writes_are_attributed_to_the_row_holder_even_when_values_repeat():
     assert recorder.written_by[1, :5].tolist() == [1, 1, 0, 0, -1]
 
 
+def test_numpy_view_follows_a_rebound_or_resized_tensor():
+    """The recorder's cached numpy view of ``req_to_token`` must never read a tensor the
+    scheduler let go of: a new tensor bound in its place, or the same one given new
+    storage (torch refuses ``resize_`` while a numpy view of the storage exists)."""
+    import torch
+
+    from contract_lib.capture.batches import NumpyView
+
+    view, table = NumpyView(), torch.zeros((2, 4), dtype=torch.int32)
+    assert view.of(table) is view.of(table)  # cached while nothing changed
+    table[1, 2] = 7  # a write in place is seen through the view
+    assert view.of(table)[1, 2] == 7
+    rebound = torch.full((2, 4), 5, dtype=torch.int32)
+    assert view.of(rebound).tolist() == [[5] * 4] * 2
+    rebound.set_(torch.ones((8, 16), dtype=torch.int32))  # the same tensor, new storage
+    assert view.of(rebound).shape == (8, 16) and view.of(rebound).sum() == 128
+
+
 def test_reused_row_leaves_stale_entries_on_mlx_only(run_cached):
     mlx = check(run_cached(REUSED_ROW, "mlx")).clauses[1]
     stale = mlx.violations[mlx.violations["actual"].str.contains("never written for b")]

@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from contract_lib.capture.batches import NumpyView
 from contract_lib.capture.hooks import HookInstaller
 from contract_lib.capture.launches import LaunchRecording
 from contract_lib.capture.snapshot import StepSnapshot
@@ -66,6 +67,9 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
         # that held the row when the entry was last written; -1 never written.
         self.written_by: np.ndarray | None = None
         self._checker = None
+        # Numpy views of the tensors read every step (sliced without torch).
+        self.req_to_token_view = NumpyView()
+        self.relay_view = NumpyView()
         self.resolving: int | None = None  # omni: the launch being resolved
         # Per request: kv_computed at the end of its last prefill/extend lane (clause 2's
         # decode_batch_idx counts the decode launches since).

@@ -31,7 +31,7 @@ class StepSnapshot:
             "processed_tokens_counter": getattr(s, "processed_tokens_counter", None),
         }))
         seq_lens = self._seq_lens(running, last)
-        rtt = s.req_to_token_pool.req_to_token.numpy()  # a view: sliced without torch
+        rtt = self.req_to_token_view.of(s.req_to_token_pool.req_to_token)  # sliced in numpy
         free = None  # the free-slot mask, taken at the first live row
         slot_rows = []
         for index, (rid, req) in enumerate(self.reqs.items()):
