@@ -37,6 +37,13 @@ class ClauseResult:
         return self.violations.iloc[0].to_dict()
 
 
+def no_rows(**dtypes: Any) -> pd.DataFrame:
+    """The rows a clause check builds, with no row: empty columns of the dtypes its
+    table-building code gives an empty selection, so a check with nothing to report
+    skips that code (~3 ms of pandas) and returns the same empty violation table."""
+    return pd.DataFrame({name: pd.Series(dtype=dtype) for name, dtype in dtypes.items()})
+
+
 def violations(clause: int, loop: str, rows: pd.DataFrame | list[dict[str, Any]]
                ) -> pd.DataFrame:
     """A clause's violation records in schema order, sorted by step (then launch)."""

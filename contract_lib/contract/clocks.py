@@ -38,20 +38,28 @@ def check_clocks(frames: Frames) -> ClauseResult:
     loop = frames.loop
     steps = frames.steps.sort_values("step")
     launches = frames.launches
-    counter = steps.set_index("step")["processed_tokens_counter"].astype("int64")
-    prefilled = launches.groupby("step")["prefilled_tokens"].sum()
-    first_launch = launches.groupby("step")["launch"].min()
-    modes = launches.groupby("step")["mode"].agg(lambda m: "/".join(dict.fromkeys(
-        str(x) for x in m)))
+    counter = dict(zip(steps["step"].tolist(),
+                       steps["processed_tokens_counter"].astype("int64").tolist()))
+    prefilled: dict[int, int] = {}  # step -> tokens its launches prefilled
+    first_launch: dict[int, int] = {}  # step -> its first launch
+    modes: dict[int, dict[str, None]] = {}  # step -> its launches' modes, in order
+    for step, launch, tokens, mode in zip(
+            launches["step"].tolist(), launches["launch"].tolist(),
+            launches["prefilled_tokens"].tolist(), launches["mode"].tolist()):
+        prefilled[step] = prefilled.get(step, 0) + tokens
+        first_launch[step] = min(first_launch.get(step, launch), launch)
+        modes.setdefault(step, {})[str(mode)] = None
     rows, checked = [], 0
-    for before, after in zip(counter.index[:-1], counter.index[1:]):
+    order = list(counter)
+    for before, after in zip(order[:-1], order[1:]):
         expected = int(prefilled.get(before, 0))
         actual = int(counter[after] - counter[before])
-        checked += before in first_launch.index
+        checked += before in first_launch
         if actual == expected:
             continue
         launch = first_launch.get(before)
-        what = (f"the {modes[before]} launch(es) of step {before}" if launch is not None
+        what = (f"the {'/'.join(modes[before])} launch(es) of step {before}"
+                if launch is not None
                 else f"step {before}, which launched nothing,")
         if actual > expected:
             why = (f"ran ahead by {actual - expected} tokens {what} did not prefill; "

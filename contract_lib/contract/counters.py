@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import pandas as pd
 
-from contract_lib.contract.base import (ClauseResult, HOLDS, VIOLATED, live, live_mask,
-                                        result, violations)
+from contract_lib.contract.base import (HOLDS, VIOLATED, ClauseResult, live, live_mask,
+                                        no_rows, result, violations)
 from contract_lib.contract.registry import clause, extend
 from contract_lib.frames import Frames
 
 _COUNTERS = {"seq_len": "seq_lens", "kv_committed_len": "kv_committed_len",
              "kv_allocated_len": "kv_allocated_len"}
+_NO_ROWS = no_rows(field="str", step="int64", rid=object, expected=object, actual=object,
+                   explanation="str")
 
 
 def _no_live_request(frames: Frames) -> str | None:
@@ -37,6 +39,8 @@ def check_counters(frames: Frames) -> ClauseResult:
     parts = []
     for order, (column, field) in enumerate(_COUNTERS.items()):
         bad = alive[alive[column].notna() & (alive[column] != alive["kv_computed"])]
+        if bad.empty:
+            continue
         computed, value = bad["kv_computed"].astype("int64"), bad[column].astype("int64")
         direction = pd.Series("lags", index=bad.index).where(value < computed, "leads")
         parts.append(pd.DataFrame({
@@ -48,7 +52,7 @@ def check_counters(frames: Frames) -> ClauseResult:
                            + "; radix insertion and release stop at the committed bound",
             "order": order}))
     rows = pd.concat(parts).sort_values(["step", "order"], kind="stable").drop(
-        columns="order")
+        columns="order") if parts else _NO_ROWS
     note = f"{len(alive)} (step, request) counter sets checked"
     return result(2, loop, rows, note)
 
@@ -69,19 +73,19 @@ def check_counters_extended(frames: Frames) -> ClauseResult:
     expected = (alive["kv_computed"] - alive["kv_prefilled"]).astype("int64")
     value = alive["decode_batch_idx"].astype("int64")
     bad = alive[value != expected]
-    lag = (expected[bad.index] - value[bad.index])
-    direction = pd.Series("lags", index=bad.index).where(lag > 0, "leads")
-    rows = pd.DataFrame({
-        "field": "decode_batch_idx", "step": bad["step"].astype("int64"), "rid": bad["rid"],
-        "expected": expected[bad.index].astype(object),
-        "actual": value[bad.index].astype(object),
-        "explanation": "decode_batch_idx " + direction + " the "
-                       + expected[bad.index].astype(str) + " decode steps computed since "
-                       "the request's prefill by " + lag.abs().astype(str)
-                       + "; SWA eviction, the SWA retain window and mamba tracking "
-                       "count decode steps by it"})
     found = base.violations
-    if len(rows):
+    if len(bad):
+        lag = (expected[bad.index] - value[bad.index])
+        direction = pd.Series("lags", index=bad.index).where(lag > 0, "leads")
+        rows = pd.DataFrame({
+            "field": "decode_batch_idx", "step": bad["step"].astype("int64"),
+            "rid": bad["rid"], "expected": expected[bad.index].astype(object),
+            "actual": value[bad.index].astype(object),
+            "explanation": "decode_batch_idx " + direction + " the "
+                           + expected[bad.index].astype(str) + " decode steps computed "
+                           "since the request's prefill by " + lag.abs().astype(str)
+                           + "; SWA eviction, the SWA retain window and mamba tracking "
+                           "count decode steps by it"})
         extra = violations(2, frames.loop, rows)
         found = pd.concat([base.violations, extra], ignore_index=True).sort_values(
             "step", kind="stable").reset_index(drop=True)

@@ -35,29 +35,30 @@ def check_retired(frames: Frames) -> ClauseResult:
     loop = frames.loop
     state = _backend_state(frames)
     requests = frames.requests
-    released = requests.assign(released=requests["finished"].astype(bool)
-                               | requests["req_pool_idx"].isna())
-    released = released.set_index(["rid", "step"]).sort_index()
+    released = (requests["finished"].astype(bool) | requests["req_pool_idx"].isna()).tolist()
+    keys = list(zip(requests["rid"].tolist(), requests["step"].tolist()))
+    has_row = requests["req_pool_idx"].notna().tolist()
     steps = frames.steps.set_index("step")
     idle = (steps["is_fully_idle"].astype(bool) & (steps["result_queue_len"] == 0))
     launch_steps = sorted(set(frames.launches["step"].astype(int)))
     since: dict[tuple[str, int], int] = {}  # (rid, step) -> step its released streak began
-    for rid, group in released.groupby(level="rid"):
-        start = None
-        had_row = False
-        for (_, step), row in group.iterrows():
-            had_row |= pd.notna(row["req_pool_idx"])
-            if row["released"] and had_row:
-                start = step if start is None else start
-                since[(rid, step)] = start
-            else:
-                start = None
-    held_rows = requests.set_index(["rid", "step"])["req_pool_idx"]
+    start, had_row, current = None, False, None
+    for index in sorted(range(len(keys)), key=keys.__getitem__):  # by request, then step
+        rid, step = keys[index]
+        if rid != current:
+            start, had_row, current = None, False, rid
+        had_row |= has_row[index]
+        if released[index] and had_row:
+            start = step if start is None else start
+            since[(rid, step)] = start
+        else:
+            start = None
+    held_rows = dict(zip(keys, requests["req_pool_idx"].tolist()))
     rows, released_seen = [], {key[0] for key in since}
     for r in state.itertuples(index=False):
         step, rid = int(r.step), r.rid
         entry = f"{r.structure}[{rid!r}]" + ("" if pd.isna(r.row) else f" -> row {int(r.row)}")
-        if (rid, step) not in held_rows.index:
+        if (rid, step) not in held_rows:
             rows.append({"field": r.structure, "step": step, "rid": rid,
                          "expected": "no state (the scheduler does not hold this request)",
                          "actual": entry, "explanation": "backend state for a request id "

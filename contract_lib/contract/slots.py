@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import pandas as pd
 
-from contract_lib.contract.base import NotExercised, ClauseResult, ints, live, result
+from contract_lib.contract.base import (ClauseResult, NotExercised, ints, live, no_rows,
+                                        result)
 from contract_lib.contract.registry import clause
 from contract_lib.frames import Frames
 
 SLOT_STATES = ("recorded", "not computed", "slot 0", "free", "shared", "stale")
 BAD_SLOT_STATES = ("slot 0", "free", "shared", "stale")
+_NO_ROWS = no_rows(field="str", step="int64", rid=object, expected="str", actual="str",
+                   explanation="str")
 
 
 def slot_states(frames: Frames) -> pd.DataFrame:
@@ -38,16 +41,21 @@ def slot_states(frames: Frames) -> pd.DataFrame:
     slots = frames.slots.merge(alive, on=["step", "rid"], how="inner")
     computed = slots["position"] < slots["kv_computed"]
     inside = slots[computed]
-    by_slot = inside.assign(private=inside["position"] >= inside["cache_protected_len"]
-                            ).groupby(["step", "slot"])
-    shared = ((by_slot["rid"].transform("nunique") > 1)
-              & ((by_slot["position"].transform("nunique") > 1)
-                 | by_slot["private"].transform("any")))
+    # Only a slot entered more than once at a step can be shared: group those alone.
+    twice = inside[inside.duplicated(["step", "slot"], keep=False)]
+    shared = twice.index  # (empty)
+    if len(twice):
+        by_slot = twice.assign(private=twice["position"] >= twice["cache_protected_len"]
+                               ).groupby(["step", "slot"])
+        held = ((by_slot["rid"].transform("nunique") > 1)
+                & ((by_slot["position"].transform("nunique") > 1)
+                   | by_slot["private"].transform("any")))
+        shared = held[held].index
     state = pd.Series("not computed", index=slots.index)
     state[computed] = "recorded"
     written = slots["written"] if "written" in slots else pd.Series(True, index=slots.index)
     state[computed & (written == False)] = "stale"  # noqa: E712 - None means unknown
-    state[shared[shared].index] = "shared"
+    state[shared] = "shared"
     state[computed & slots["slot_free"].astype(bool)] = "free"
     state[computed & (slots["slot"] == 0)] = "slot 0"
     return slots.assign(state=state)
@@ -64,6 +72,9 @@ def check_slots(frames: Frames) -> ClauseResult:
     if checked.empty:
         raise NotExercised("no live request had a launched position")
     bad = checked[checked["state"].isin(BAD_SLOT_STATES)]
+    note = f"{len(checked)} (step, request, position) entries checked"
+    if bad.empty:
+        return result(1, loop, _NO_ROWS, note)
     padding, free, shared, stale = (bad["state"] == kind for kind in BAD_SLOT_STATES)
     slot = "slot " + ints(bad["slot"])
     others = pd.Series("", index=bad.index)
@@ -92,5 +103,4 @@ def check_slots(frames: Frames) -> ClauseResult:
         "expected": "an allocated slot of " + bad["rid"] + " at position "
                     + ints(bad["position"]),
         "actual": actual, "explanation": explanation})
-    note = f"{len(checked)} (step, request, position) entries checked"
     return result(1, loop, rows, note)
