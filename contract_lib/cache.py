@@ -179,7 +179,7 @@ _LOADED_BEFORE: tuple[dict[str, int], dict[str, str | None]] = ({}, {})
 def remember_loaded_modules() -> None:
     """Called in the warm server before it forks runs: looks at the ~6000 modules loaded
     so far once, so each forked run's :func:`user_modules` looks only at those it loaded
-    itself (~20 ms of every run otherwise)."""
+    itself."""
     import sys
 
     global _LOADED_BEFORE
@@ -189,18 +189,43 @@ def remember_loaded_modules() -> None:
                       found)
 
 
+def _modules_since_fork() -> list[tuple[str, Any]]:
+    """``sys.modules`` entries added since :func:`remember_loaded_modules` (all of them
+    outside a warm server's run), read from the newest back to the server's last one.
+
+    Why not all ~6700: reading an entry writes its module's reference count, so in a
+    forked run every module object's page is copied (~18 ms of every run). Entries are in
+    insertion order, so new ones are at the end. Not seen: a module object put in place
+    of one the server had loaded under the same name (``sys.modules[name] = other``);
+    a module imported the usual way gets its own entry, at the end."""
+    import sys
+
+    before = _LOADED_BEFORE[0]
+    if not before:
+        return list(sys.modules.items())
+    added = len(sys.modules) - len(before)  # the entries to read at least
+    last = next(reversed(before))
+    try:
+        taken = []
+        for name, module in reversed(sys.modules.items()):
+            taken.append((name, module))
+            if name == last and before[name] == id(module) and len(taken) > added:
+                return taken
+    except RuntimeError:  # another thread imported meanwhile
+        pass
+    return list(sys.modules.items())
+
+
 def user_modules() -> dict[str, str | None]:
     """Called in the run's child at the end of the run: ``{file: sha256}`` of every
     loaded module whose file lies outside the installed code (:func:`_installed_roots`)
     and is not one of this library's modules (those are in the key): a user patch,
     every module of the user's own that it imported, and any other module of this
     checkout. None for a file that cannot be read (such a run is not cached)."""
-    import sys
-
     roots = _installed_roots()
-    keyed = {os.path.realpath(path) for path in LIBRARY_FILES}
+    keyed: set[str] | None = None  # this library's files (~1 ms of realpath): when needed
     loaded_before, found = _LOADED_BEFORE[0], dict(_LOADED_BEFORE[1])
-    for name, module in list(sys.modules.items()):
+    for name, module in _modules_since_fork():
         if loaded_before.get(name) == id(module):
             continue  # the warm server's, looked at before the fork
         try:
@@ -212,6 +237,8 @@ def user_modules() -> dict[str, str | None]:
         if spec.origin.startswith(roots):  # the common case: no stat
             continue
         path = os.path.realpath(spec.origin)
+        if keyed is None:
+            keyed = {os.path.realpath(file) for file in LIBRARY_FILES}
         if not path.startswith(roots) and path not in keyed:
             found[path] = _file_hash(path)
     return dict(sorted(found.items()))

@@ -9,6 +9,7 @@ import errno
 import io
 import json
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -163,6 +164,13 @@ def test_a_forked_run_looks_only_at_the_modules_it_loaded(tmp_path, monkeypatch)
                      for name in ("before", "after"))
     assert {before, after} <= set(found)
     assert after in looked_at and before not in looked_at  # hashed by the server
+    # Only the entries added since are read (the others' pages stay shared)...
+    assert [name for name, _ in cache._modules_since_fork()][:1] == [f"cf_after_{tag}"]
+    assert len(cache._modules_since_fork()) == 2  # the new one and the server's last
+    # ... unless the server's last entry moved to the end: then all of them.
+    last = next(reversed(cache._LOADED_BEFORE[0]))
+    monkeypatch.setitem(sys.modules, last, sys.modules.pop(last))
+    assert after in cache.user_modules()
 
 
 @pytest.mark.fast
