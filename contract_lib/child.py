@@ -10,15 +10,17 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from contract_lib import cache as frame_cache
-from contract_lib import loops
+from contract_lib import journal, loops
 from contract_lib.paths import MODEL_DIR
-from contract_lib.protocol import LoopMismatch, RunSetupError, Unsupported, error_record
+from contract_lib.protocol import (END, LoopMismatch, RunSetupError, Unsupported,
+                                   error_record)
 from contract_lib.serverargs import accepted_kinds, problems
 from contract_lib.workloads import Workload
 
@@ -56,29 +58,70 @@ def user_server_args(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _child_entry() -> None:
     """Entry point of a cold child process: the run spec arrives pickled on stdin,
-    messages go back on the pipe whose fd is ``argv[1]``; stdout and stderr go to the
-    run's log."""
+    messages go back on the pipe whose fd is ``argv[1]`` and the journal whose fd is
+    ``argv[3]``; stdout and stderr go to the run's log."""
     die_with_parent(int(sys.argv[2]))
     spec = pickle.loads(sys.stdin.buffer.read())
-    child_run(spec, Connection(int(sys.argv[1]), readable=False))
+    child_run(spec, Connection(int(sys.argv[1]), readable=False), int(sys.argv[3]))
     os._exit(0)  # skip SGLang's atexit teardown; everything was sent
 
 
-def sender(conn: Connection):
-    """``conn.send`` without its per-message set-up of multiprocessing's pickler (a copy
-    of its reducer table, ~2 µs): the messages are plain data, which ``recv`` loads the
-    same. Each message is still written as it is sent."""
+def sender(conn: Connection, journal_fd: int | None = None):
+    """The run's ``emit``: each message pickled as it is taken and stored in the journal
+    (:mod:`contract_lib.journal`); a thread notes on the pipe what is stored at most
+    every ``journal.NOTE_S`` seconds, and so does the run's end. Without a journal, or
+    once it is full, messages go on the pipe itself. Pickled without ``conn.send``'s
+    per-message set-up of multiprocessing's pickler (~2 µs): the messages are plain
+    data."""
     send_bytes = conn.send_bytes
+    if journal_fd is None:
+        def emit(message: tuple) -> None:
+            send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
+
+        return emit
+    writer: journal.Writer | None = journal.Writer(journal_fd)
+    lock = threading.Lock()  # one record or note at a time, whatever thread emits
+    noted = 0  # the offset last noted
+
+    def note() -> None:  # (under the lock)
+        nonlocal noted
+        if writer is not None and writer.offset != noted:
+            send_bytes(pickle.dumps((journal.NOTE, writer.offset), pickle.HIGHEST_PROTOCOL))
+            noted = writer.offset
 
     def emit(message: tuple) -> None:
-        send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
+        nonlocal writer
+        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+        with lock:
+            if writer is not None:
+                if writer.append(data):
+                    if message[0] == END:
+                        note()
+                    return
+                note()  # full: what it holds comes first, the pipe from here on
+                writer = None
+            send_bytes(data)
 
+    def keep_noting() -> None:
+        """Note new records while the run goes on: the parent reads them, and its hang
+        check sees progress (a run that stores nothing new gets no note)."""
+        try:
+            while True:
+                time.sleep(journal.NOTE_S)
+                with lock:
+                    note()
+        except OSError:  # the pipe closed: the run ended
+            pass
+
+    threading.Thread(target=keep_noting, name="contract_lib-journal-notes",
+                     daemon=True).start()
     return emit
 
 
-def child_run(spec: dict[str, Any], conn: Connection) -> None:
-    """One run inside its own process (cold or forked): build, loop, report the end."""
-    emit = sender(conn)
+def child_run(spec: dict[str, Any], conn: Connection, journal_fd: int | None = None) -> None:
+    """One run inside its own process (cold or forked): build, loop, report the end;
+    messages go to the journal ``journal_fd`` (None: all on ``conn``)."""
+    emit = sender(conn, journal_fd)
     recorder = kv_recorder = None
     phase = "setup"
     status, error = "finished", None

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from contract_lib import cache as frame_cache
-from contract_lib import loops
+from contract_lib import journal, loops
 from contract_lib.child import user_server_args
 from contract_lib.frames import Frames, run_title
 from contract_lib.paths import MODEL_DIR
@@ -270,18 +270,21 @@ def _execute(spec: dict[str, Any], meta: dict[str, Any], hang_timeout: float,
     """Start the child (forked from a warm server of the run's SGLang release, or a cold
     interpreter with the same ``PYTHONPATH``) and collect. Whatever ends the wait (the
     child, a hang, Ctrl-C, ``cancel``, an error here), the child is dead on return; the
-    log is an unnamed temporary file, so nothing is left on disk even if this process
-    is killed."""
-    with tempfile.TemporaryFile(prefix="contract_lib-", suffix=".log") as log:
+    log is an unnamed temporary file and the journal unnamed shared memory, so nothing
+    is left behind even if this process is killed."""
+    with (tempfile.TemporaryFile(prefix="contract_lib-", suffix=".log") as log,
+          journal.created() as journal_fd):
         read_fd, write_fd = os.pipe()
         receiver = Connection(read_fd, writable=False)
         child = None
         try:
             try:
-                child = _start(spec, write_fd, log.fileno(), warm, sglang_dir, cancel)
+                child = _start(spec, write_fd, log.fileno(), journal_fd, warm, sglang_dir,
+                               cancel)
             finally:
                 os.close(write_fd)
-            return collect(receiver, child, meta, hang_timeout, log.fileno(), cancel)
+            return collect(receiver, journal_fd, child, meta, hang_timeout, log.fileno(),
+                           cancel)
         except KeyboardInterrupt:
             if child is not None:
                 raise
@@ -293,7 +296,7 @@ def _execute(spec: dict[str, Any], meta: dict[str, Any], hang_timeout: float,
                 child.wait()
 
 
-def _start(spec: dict[str, Any], write_fd: int, log_fd: int, warm: bool,
+def _start(spec: dict[str, Any], write_fd: int, log_fd: int, journal_fd: int, warm: bool,
            sglang_dir: Path | None, cancel: threading.Event | None):
     """The run's child: forked by the warm server of the run's SGLang folder
     (:mod:`contract_lib.pool`; started on first use), else a cold interpreter (``warm``
@@ -305,14 +308,14 @@ def _start(spec: dict[str, Any], write_fd: int, log_fd: int, warm: bool,
             found = problems(user_server_args(spec), server.server_arg_kinds(cancel))
             if found:
                 raise RunSetupError("; ".join(found))
-            return server.start_run(spec, write_fd, log_fd, cancel)
+            return server.start_run(spec, write_fd, log_fd, journal_fd, cancel)
         except (ServerUnavailable, EOFError, OSError) as exc:  # go cold
             POOL.unavailable(exc)
     child = subprocess.Popen(
         [sys.executable, "-c",
          "from contract_lib.child import _child_entry; _child_entry()",
-         str(write_fd), str(os.getpid())],
-        stdin=subprocess.PIPE, stdout=log_fd, stderr=log_fd, pass_fds=(write_fd,),
+         str(write_fd), str(os.getpid()), str(journal_fd)],
+        stdin=subprocess.PIPE, stdout=log_fd, stderr=log_fd, pass_fds=(write_fd, journal_fd),
         env=child_env(sglang_dir), start_new_session=True)
     try:
         child.stdin.write(pickle.dumps(spec))

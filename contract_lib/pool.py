@@ -158,11 +158,12 @@ class Server:
             assert kind == "server-arg-types", kind
         return self.arg_kinds
 
-    def start_run(self, spec: dict, write_fd: int, log_fd: int,
+    def start_run(self, spec: dict, write_fd: int, log_fd: int, journal_fd: int,
                   cancel: threading.Event | None = None) -> "WarmChild":
         context = {"cwd": os.getcwd(), "path": _child_path(self.sglang_dir),
                    "env": child_env(self.sglang_dir)}
-        sock, (kind, pid) = self.open(("run", spec, context), [write_fd, log_fd], cancel)
+        sock, (kind, pid) = self.open(("run", spec, context),
+                                      [write_fd, log_fd, journal_fd], cancel)
         assert kind == "pid", kind
         return WarmChild(sock, pid)
 

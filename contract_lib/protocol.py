@@ -1,6 +1,8 @@
 """What the run's process and the parent say to each other, and the run's typed errors.
 
-Messages (tuples on a one-way pipe, child -> parent), in the order a run sends them:
+Messages (tuples, child -> parent, stored in the run's journal, :mod:`contract_lib.journal`,
+whose notes on a one-way pipe say what to read; on the pipe itself once the journal is
+full), in the order a run sends them:
 
 - ``("meta", dict)``: run metadata (shims applied, the loop function entered, timing...);
 - ``("row", table, row)``: one frame row (``launches`` rows are indexed for updates);
@@ -24,6 +26,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+from contract_lib import journal
 from contract_lib.frames import Frames
 
 META, ROW, UPDATE, ROWS, END = "meta", "row", "update", "rows", "end"
@@ -71,22 +74,46 @@ LOG_TAIL_BYTES = 64 * 1024
 LOG_TAIL_LINES = 40
 # Seconds between checks for a cancel (or a hang) while waiting for the child.
 _POLL_S = 0.25
-# Seconds the parent lets the child's messages gather in the pipe after draining it. A
+# Seconds the parent lets the child's notes gather in the pipe after draining it. A
 # parent blocked on the pipe is woken by every write, and on a 2-core machine that wake-up
-# is paid inside the child's loop (most of the capture overhead of a short run); writes
-# into a pipe nobody waits on are a copy. The child still sends each row as it is taken,
-# so a child that dies loses nothing already written.
+# is paid inside the child's loop. The child still stores each row as it is taken, so a
+# child that dies loses nothing already stored.
 _GATHER_S = 0.002
 
 
-def collect(receiver: Connection, child, meta: dict[str, Any], hang_timeout: float,
-             log_fd: int, cancel: threading.Event | None = None) -> Frames:
-    """Read the child's messages until it ends; turn them and its fate into Frames.
-    A KeyboardInterrupt here (Ctrl-C, a notebook interrupt) or a set ``cancel`` kills
-    the child: the frames are then those captured so far, status ``interrupted``."""
+def collect(receiver: Connection, journal_fd: int, child, meta: dict[str, Any],
+            hang_timeout: float, log_fd: int,
+            cancel: threading.Event | None = None) -> Frames:
+    """Read the child's messages (the journal ``journal_fd`` up to each note on the pipe,
+    and the pipe's own) until it ends, then what the journal holds past the last note;
+    turn them and the child's fate into Frames. A KeyboardInterrupt here (Ctrl-C, a
+    notebook interrupt) or a set ``cancel`` kills the child: the frames are then those
+    captured so far, status ``interrupted``."""
     rows: dict[str, list[dict[str, Any]]] = {}
     index: dict[tuple[str, Any], dict[str, Any]] = {}
     end: tuple | None = None
+    stored = journal.Reader(journal_fd)
+
+    def take(message: tuple) -> None:
+        nonlocal end
+        kind = message[0]
+        if kind == ROW:
+            _, table, row = message
+            rows.setdefault(table, []).append(row)
+            if table == "launches":
+                index[(table, row["launch"])] = row
+        elif kind == ROWS:
+            for table, row in message[1]:
+                rows.setdefault(table, []).append(row)
+            rows.setdefault("slots", []).extend(slot_rows(message[2]))
+        elif kind == UPDATE:
+            _, table, _key, value, fields = message
+            index[(table, value)].update(fields)
+        elif kind == META:
+            meta.update(message[1])
+        elif kind == END:
+            end = message
+
     last_message = time.monotonic()
     hung = interrupted = False
     try:
@@ -101,23 +128,11 @@ def collect(receiver: Connection, child, meta: dict[str, Any], hang_timeout: flo
                 except EOFError:
                     break
                 last_message = time.monotonic()
-                kind = message[0]
-                if kind == ROW:
-                    _, table, row = message
-                    rows.setdefault(table, []).append(row)
-                    if table == "launches":
-                        index[(table, row["launch"])] = row
-                elif kind == ROWS:
-                    for table, row in message[1]:
-                        rows.setdefault(table, []).append(row)
-                    rows.setdefault("slots", []).extend(slot_rows(message[2]))
-                elif kind == UPDATE:
-                    _, table, _key, value, fields = message
-                    index[(table, value)].update(fields)
-                elif kind == META:
-                    meta.update(message[1])
-                elif kind == END:
-                    end = message
+                if message[0] == journal.NOTE:
+                    for stored_message in stored.read(message[1]):
+                        take(stored_message)
+                else:
+                    take(message)
             elif child.poll() is not None:
                 break
             elif time.monotonic() - last_message > hang_timeout:
@@ -128,6 +143,9 @@ def collect(receiver: Connection, child, meta: dict[str, Any], hang_timeout: flo
     if hung or interrupted:
         child.kill()
     child.wait(timeout=30)
+    for message in stored.read():  # stored after the last note (a dead child: all it did)
+        take(message)
+    stored.close()
     tail = log_tail(log_fd)
     phase = "loop" if rows.get("steps") else "setup"
 

@@ -199,7 +199,7 @@ class WarmServer:
     def _on_message(self, conn: socket.socket) -> None:
         self.last_active = time.monotonic()
         try:
-            request, fds = recv(conn, with_fds=2)
+            request, fds = recv(conn, with_fds=3)
         except (EOFError, OSError):
             self._on_hang_up(conn)
             return
@@ -258,7 +258,7 @@ class WarmServer:
         return self.arg_kinds
 
     def _fork(self, spec: dict, context: dict, fds: list[int]) -> int:
-        write_fd, log_fd = fds
+        write_fd, log_fd, journal_fd = fds
         server_pid = os.getpid()
         pid = os.fork()
         if pid:
@@ -274,7 +274,7 @@ class WarmServer:
             os.environ.clear()
             os.environ.update(context["env"])
             sys.path[:] = context["path"]
-            child_run(spec, Connection(write_fd, readable=False))
+            child_run(spec, Connection(write_fd, readable=False), journal_fd)
         finally:
             os._exit(0)
 
