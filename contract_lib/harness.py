@@ -269,7 +269,8 @@ def _execute(spec: dict[str, Any], meta: dict[str, Any], hang_timeout: float,
              cancel: threading.Event | None = None) -> Frames:
     """Start the child (forked from a warm server of the run's SGLang release, or a cold
     interpreter with the same ``PYTHONPATH``) and collect. Whatever ends the wait (the
-    child, a hang, Ctrl-C, ``cancel``, an error here), the child is dead on return; the
+    child, a hang, Ctrl-C, ``cancel``, an error here), the child is dead on return (a
+    warm run that sent its end is let go as it exits; its server kills and reaps it); the
     log is an unnamed temporary file and the journal unnamed shared memory, so nothing
     is left behind even if this process is killed."""
     with (tempfile.TemporaryFile(prefix="contract_lib-", suffix=".log") as log,

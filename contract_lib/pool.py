@@ -243,8 +243,11 @@ class WarmChild:
         # True when the server died (or was stopped) during the run: the run's exit
         # status is then unknown, and its process (the server's child) is killed.
         self.server_lost = False
+        self.released = False  # let go after its end (:meth:`release`)
 
     def poll(self) -> int | None:
+        if self.released:
+            return None
         if self.returncode is None and select.select([self.sock], [], [], 0)[0]:
             self.wait()
         return self.returncode
@@ -252,11 +255,22 @@ class WarmChild:
     def kill(self) -> None:
         """Ask the server to kill the run (it does so when this side of the connection
         closes for writing); the exit code follows."""
-        if self.returncode is None:
+        if self.returncode is None and not self.released:
             with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_WR)
 
-    def wait(self, timeout: float | None = None) -> int:
+    def release(self) -> None:
+        """Let go of a run that has sent its end, without waiting for its exit: the
+        connection closes, so the server kills the process if it has not exited yet
+        and reaps it (a run's exit, tearing down its copy of the server's memory, takes
+        ~20 ms). Its exit status stays unknown (None); nothing reads it after an end."""
+        if self.returncode is None:
+            self.sock.close()
+            self.released = True
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        if self.released:
+            return None
         if self.returncode is None:
             self.sock.settimeout(timeout)
             try:

@@ -142,7 +142,10 @@ def collect(receiver: Connection, journal_fd: int, child, meta: dict[str, Any],
         interrupted = True
     if hung or interrupted:
         child.kill()
-    child.wait(timeout=30)
+    if end is not None and not (hung or interrupted) and hasattr(child, "release"):
+        child.release()  # a warm run that sent its end: its server reaps it
+    else:
+        child.wait(timeout=30)
     for message in stored.read():  # stored after the last note (a dead child: all it did)
         take(message)
     stored.close()

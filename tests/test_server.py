@@ -131,6 +131,19 @@ def test_concurrent_threads_share_one_server(servers):
     assert len(list(servers.glob("*.sock"))) == 1
 
 
+def test_a_run_that_sent_its_end_is_let_go_and_reaped_by_its_server(servers, monkeypatch):
+    """``run`` returns once the run sent its end, without waiting for its exit; the
+    server kills (if need be) and reaps the process, so none is left behind."""
+    released = []
+    real_release = pool.WarmChild.release
+    monkeypatch.setattr(pool.WarmChild, "release",
+                        lambda child: released.append(child.pid) or real_release(child))
+    frames = contract_lib.run("two-turn", "normal", cache=False)
+    assert frames.status == "finished" and released
+    assert _wait_until(lambda: not _alive(released[0])
+                       and not pool.statuses(servers)[0]["running"], 5)
+
+
 def test_two_processes_starting_a_server_at_once_share_it(servers):
     processes = [_api_run(servers, "print(contract_lib.run('single-decode', 'normal', "
                                    "cache=False).status)") for _ in range(2)]
