@@ -96,17 +96,18 @@ class StepSnapshot:
     def _invariant_checker(self):
         """SGLang's ``SchedulerInvariantChecker``: the scheduler's own or, where the loop
         builds none (``omni``), one SGLang's ``init_invariant_checker`` builds over the
-        scheduler's pools for the frames only (nothing in the loop reads it)."""
-        checker = getattr(self.s, "invariant_checker", None)
-        if checker is None:
-            if self._checker is None:
-                from sglang.srt.managers.scheduler import Scheduler
+        scheduler's pools for the frames only (nothing in the loop reads it). Looked up
+        once: sglang-omni answers a missing attribute by raising inside its
+        ``__getattr__``, ~5 µs a step."""
+        if self._checker is None:
+            self._checker = getattr(self.s, "invariant_checker", None)
+        if self._checker is None:
+            from sglang.srt.managers.scheduler import Scheduler
 
-                view = ReadThrough(self.s)
-                Scheduler.init_invariant_checker(view)
-                self._checker = view.invariant_checker
-            checker = self._checker
-        return checker
+            view = ReadThrough(self.s)
+            Scheduler.init_invariant_checker(view)
+            self._checker = view.invariant_checker
+        return self._checker
 
     @staticmethod
     def _seq_lens(running, last) -> dict[int, int]:
