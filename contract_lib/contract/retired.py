@@ -10,6 +10,8 @@ than the scheduler's.
 
 from __future__ import annotations
 
+import bisect
+
 import pandas as pd
 
 from contract_lib.contract.base import ClauseResult, NotExercised, result
@@ -40,6 +42,7 @@ def check_retired(frames: Frames) -> ClauseResult:
     has_row = requests["req_pool_idx"].notna().tolist()
     steps = frames.steps.set_index("step")
     idle = (steps["is_fully_idle"].astype(bool) & (steps["result_queue_len"] == 0))
+    idle_steps = set(idle.index[idle.to_numpy()].tolist())
     launch_steps = sorted(set(frames.launches["step"].astype(int)))
     since: dict[tuple[str, int], int] = {}  # (rid, step) -> step its released streak began
     start, had_row, current = None, False, None
@@ -55,11 +58,15 @@ def check_retired(frames: Frames) -> ClauseResult:
             start = None
     held_rows = dict(zip(keys, requests["req_pool_idx"].tolist()))
     rows, released_seen = [], {key[0] for key in since}
-    for r in state.itertuples(index=False):
-        step, rid = int(r.step), r.rid
-        entry = f"{r.structure}[{rid!r}]" + ("" if pd.isna(r.row) else f" -> row {int(r.row)}")
+    # Column lists, walked in Python (pandas' per-row access was most of a long run's check).
+    mapped = [None if missing else int(row) for row, missing
+              in zip(state["row"].tolist(), state["row"].isna().tolist())]
+    for step, rid, structure, row in zip(state["step"].astype(int).tolist(),
+                                         state["rid"].tolist(), state["structure"].tolist(),
+                                         mapped):
+        entry = f"{structure}[{rid!r}]" + ("" if row is None else f" -> row {row}")
         if (rid, step) not in held_rows:
-            rows.append({"field": r.structure, "step": step, "rid": rid,
+            rows.append({"field": structure, "step": step, "rid": rid,
                          "expected": "no state (the scheduler does not hold this request)",
                          "actual": entry, "explanation": "backend state for a request id "
                          "the scheduler never received or no longer knows"})
@@ -67,23 +74,26 @@ def check_retired(frames: Frames) -> ClauseResult:
         start = since.get((rid, step))
         if start is None:
             held = held_rows[(rid, step)]
-            if not pd.isna(r.row) and not pd.isna(held) and int(r.row) != int(held):
-                rows.append({"field": r.structure, "step": step, "rid": rid,
+            if row is not None and not pd.isna(held) and row != int(held):
+                rows.append({"field": structure, "step": step, "rid": rid,
                              "expected": f"row {int(held)} (the scheduler's)",
                              "actual": entry, "explanation": "the backend maps the request "
                              "to a row it no longer holds: a sync through it writes KV into "
                              "another request's slots"})
             continue
-        after = [s for s in launch_steps if start <= s < step]
-        if after:
-            why = (f"kept after launch(es) at step {after[0]}"
-                   f"{'...' + str(after[-1]) if len(after) > 1 else ''} that followed its "
-                   f"release (seen at step {start})")
-        elif step in idle.index and idle[step]:
+        # the launch steps in [start, step), found by bisection (the rows times the
+        # launches, walked, made a long run's check quadratic)
+        first, end = bisect.bisect_left(launch_steps, start), bisect.bisect_left(launch_steps,
+                                                                                 step)
+        if end > first:
+            why = (f"kept after launch(es) at step {launch_steps[first]}"
+                   f"{'...' + str(launch_steps[end - 1]) if end - first > 1 else ''} that "
+                   f"followed its release (seen at step {start})")
+        elif step in idle_steps:
             why = f"kept while the loop is idle (released, seen at step {start})"
         else:
             continue
-        rows.append({"field": r.structure, "step": step, "rid": rid,
+        rows.append({"field": structure, "step": step, "rid": rid,
                      "expected": "no state (released)", "actual": entry,
                      "explanation": why + ": a re-admitted id routes as a continuation, "
                      "a pool flush syncs through the stale row, and the cache's arrays "
