@@ -66,19 +66,13 @@ def _child_entry() -> None:
     os._exit(0)  # skip SGLang's atexit teardown; everything was sent
 
 
-def sender(conn: Connection, journal_fd: int | None = None):
+def sender(conn: Connection, journal_fd: int):
     """The run's ``emit``: each message pickled as it is taken and stored in the journal
     (:mod:`contract_lib.journal`); a thread notes on the pipe what is stored at most
-    every ``journal.NOTE_S`` seconds, and so does the run's end. Without a journal, or
-    once it is full, messages go on the pipe itself. Pickled without ``conn.send``'s
-    per-message set-up of multiprocessing's pickler (~2 µs): the messages are plain
-    data."""
+    every ``journal.NOTE_S`` seconds, and so does the run's end. Once the journal is
+    full, messages go on the pipe itself. Pickled without ``conn.send``'s per-message
+    set-up of multiprocessing's pickler (~2 µs): the messages are plain data."""
     send_bytes = conn.send_bytes
-    if journal_fd is None:
-        def emit(message: tuple) -> None:
-            send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
-
-        return emit
     writer: journal.Writer | None = journal.Writer(journal_fd)
     lock = threading.Lock()  # one record or note at a time, whatever thread emits
     noted = 0  # the offset last noted
@@ -118,9 +112,9 @@ def sender(conn: Connection, journal_fd: int | None = None):
     return emit
 
 
-def child_run(spec: dict[str, Any], conn: Connection, journal_fd: int | None = None) -> None:
+def child_run(spec: dict[str, Any], conn: Connection, journal_fd: int) -> None:
     """One run inside its own process (cold or forked): build, loop, report the end;
-    messages go to the journal ``journal_fd`` (None: all on ``conn``)."""
+    messages go to the journal ``journal_fd``, its notes on ``conn``."""
     emit = sender(conn, journal_fd)
     recorder = kv_recorder = None
     phase = "setup"

@@ -20,6 +20,7 @@ of which the parent reads only the tail. The warm servers themselves outlive the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -274,7 +275,8 @@ def _execute(spec: dict[str, Any], meta: dict[str, Any], hang_timeout: float,
     log is an unnamed temporary file and the journal unnamed shared memory, so nothing
     is left behind even if this process is killed."""
     with (tempfile.TemporaryFile(prefix="contract_lib-", suffix=".log") as log,
-          journal.created() as journal_fd):
+          journal.created() as journal_fd,
+          contextlib.closing(journal.Reader(journal_fd)) as stored):
         read_fd, write_fd = os.pipe()
         receiver = Connection(read_fd, writable=False)
         child = None
@@ -284,7 +286,7 @@ def _execute(spec: dict[str, Any], meta: dict[str, Any], hang_timeout: float,
                                cancel)
             finally:
                 os.close(write_fd)
-            return collect(receiver, journal_fd, child, meta, hang_timeout, log.fileno(),
+            return collect(receiver, stored, child, meta, hang_timeout, log.fileno(),
                            cancel)
         except KeyboardInterrupt:
             if child is not None:

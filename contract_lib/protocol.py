@@ -81,10 +81,10 @@ _POLL_S = 0.25
 _GATHER_S = 0.002
 
 
-def collect(receiver: Connection, journal_fd: int, child, meta: dict[str, Any],
+def collect(receiver: Connection, stored: journal.Reader, child, meta: dict[str, Any],
             hang_timeout: float, log_fd: int,
             cancel: threading.Event | None = None) -> Frames:
-    """Read the child's messages (the journal ``journal_fd`` up to each note on the pipe,
+    """Read the child's messages (the journal ``stored`` up to each note on the pipe,
     and the pipe's own) until it ends, then what the journal holds past the last note;
     turn them and the child's fate into Frames. A KeyboardInterrupt here (Ctrl-C, a
     notebook interrupt) or a set ``cancel`` kills the child: the frames are then those
@@ -92,7 +92,6 @@ def collect(receiver: Connection, journal_fd: int, child, meta: dict[str, Any],
     rows: dict[str, list[dict[str, Any]]] = {}
     index: dict[tuple[str, Any], dict[str, Any]] = {}
     end: tuple | None = None
-    stored = journal.Reader(journal_fd)
 
     def take(message: tuple) -> None:
         nonlocal end
@@ -148,7 +147,6 @@ def collect(receiver: Connection, journal_fd: int, child, meta: dict[str, Any],
         child.wait(timeout=30)
     for message in stored.read():  # stored after the last note (a dead child: all it did)
         take(message)
-    stored.close()
     tail = log_tail(log_fd)
     phase = "loop" if rows.get("steps") else "setup"
 
