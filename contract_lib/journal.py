@@ -5,9 +5,9 @@ Why: a pipe carries a message with a system call, and on a 2-core virtual machin
 call was ~4% of a short loop's CPU; storing into shared memory is not a call at all.
 Nothing is lost when the run's process dies: what it stored is in the shared file,
 which the reader reads to the end once the process is gone. The pipe still says when
-to read (:data:`NOTE`, ``(NOTE, offset)``: everything before ``offset`` is stored, sent
-at least every :data:`NOTE_S` seconds while messages flow, and after the last one) and
-carries every message once the journal is full, after a last note.
+to read (:data:`NOTE`, ``(NOTE, offset)``: everything before ``offset`` is stored; sent
+within :data:`NOTE_S` seconds of a store, and at once after the run's end) and carries
+every message once the journal is full, after a last note.
 
 Layout: records at 8-byte aligned offsets, each a little-endian u32 length and that
 many bytes of pickle; the length is stored after the bytes, so a zero length ends what
@@ -25,7 +25,7 @@ import tempfile
 from typing import Any, Iterator
 
 NOTE = "journal"  # the pipe message: (NOTE, offset)
-NOTE_S = 0.25  # seconds between notes while messages flow (the hang check reads them)
+NOTE_S = 0.25  # seconds a stored message waits for its note at most (the hang check reads notes)
 SIZE = 256 << 20  # bytes of (sparse) shared memory per run; past it, the pipe
 _LENGTH = struct.Struct("<I")
 
