@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any
 
 
 @functools.lru_cache(maxsize=None)
@@ -11,14 +11,6 @@ def _is_container(kind: type) -> bool:
     """A dict or set type (subclasses too), asked once per type: a worker holds ~130
     attributes, looked at every step."""
     return issubclass(kind, (dict, set, frozenset))
-
-
-def _runner_attribute(name: str, kind: type) -> bool:
-    return name.endswith("runner")
-
-
-def _container_attribute(name: str, kind: type) -> bool:
-    return _is_container(kind)
 
 
 class BackendStateRecorder:
@@ -35,39 +27,44 @@ class BackendStateRecorder:
     def __init__(self, scheduler) -> None:
         self.s = scheduler
         self.per_request: set[str] = set()  # "object.attribute" found keyed by request ids
-        # (id(object), filter) -> (its attribute names and types, the names kept)
-        self._layouts: dict[tuple[int, Callable], tuple[tuple, list[str]]] = {}
+        # id(object) -> (its attribute names and types, its runner names, its container names)
+        self._layouts: dict[int, tuple[tuple, list[str], list[str]]] = {}
 
-    def _names(self, obj, wanted: Callable[[str, type], bool]) -> list[str]:
-        """The sorted names of ``obj``'s attributes that ``wanted(name, type)`` keeps,
-        recomputed only when its attribute names or their types changed: that test runs
-        in C (~3 µs for a worker's ~130 attributes; a Python scan takes ~30 µs)."""
+    def _names(self, obj) -> tuple[list[str], list[str]]:
+        """The sorted names of ``obj``'s ``*runner`` attributes and of its dict or set
+        attributes, recomputed only when its attribute names or their types changed:
+        that test runs in C (~3 µs for a worker's ~130 attributes; a Python scan takes
+        ~30 µs), once per object and step."""
         attributes = vars(obj)
         layout = (tuple(attributes), tuple(map(type, attributes.values())))
-        known = self._layouts.get((id(obj), wanted))
+        known = self._layouts.get(id(obj))
         if known is None or known[0] != layout:
-            known = (layout, sorted(name for name, kind in zip(*layout) if wanted(name, kind)))
-            self._layouts[(id(obj), wanted)] = known
-        return known[1]
+            names = sorted(zip(*layout))
+            known = (layout, [name for name, _ in names if name.endswith("runner")],
+                     [name for name, kind in names if _is_container(kind)])
+            self._layouts[id(obj)] = known
+        return known[1], known[2]
 
-    def _objects(self) -> dict[str, Any]:
+    def _containers(self) -> list[tuple[str, Any, list[str]]]:
+        """``(owner, object, its container names)`` of the worker and its runners."""
         worker = getattr(self.s, "tp_worker", None)
         if worker is None:
-            return {}
-        objects = {"tp_worker": worker}
+            return []
+        runners, containers = self._names(worker)
+        found = [("tp_worker", worker, containers)]
         attributes = vars(worker)
-        for name in self._names(worker, _runner_attribute):
+        for name in runners:
             value = attributes[name]
             if value is not None and hasattr(value, "__dict__"):
-                objects[f"tp_worker.{name}"] = value
-        return objects
+                found.append((f"tp_worker.{name}", value, self._names(value)[1]))
+        return found
 
     def rows(self, step: int, reqs: dict[str, Any]) -> list[dict[str, Any]]:
         """``(step, rid, structure, row)`` per request key held, in a stable order."""
         rows = []
-        for owner, obj in self._objects().items():
+        for owner, obj, names in self._containers():
             attributes = vars(obj)
-            for name in self._names(obj, _container_attribute):
+            for name in names:
                 value = attributes[name]
                 if not value:  # holds no key: not found per-request yet (looked at again)
                     continue
