@@ -27,6 +27,7 @@ from typing import Any, Iterator
 NOTE = "journal"  # the pipe message: (NOTE, offset)
 NOTE_S = 0.25  # seconds a stored message waits for its note at most (the hang check reads notes)
 SIZE = 256 << 20  # bytes of (sparse) shared memory per run; past it, the pipe
+PREFAULT = 256 << 10  # bytes of it a writer allocates up front (a short run's ~40 KB fit)
 _LENGTH = struct.Struct("<I")
 
 
@@ -68,6 +69,9 @@ class Writer:
     def __init__(self, fd: int) -> None:
         self._map = mmap.mmap(fd, os.fstat(fd).st_size)
         self.offset = 0  # where the next record goes; everything before it is stored
+        # Allocate the first pages now, before the loop runs (zeros: nothing stored):
+        # each fresh page's first write would otherwise fault inside the loop.
+        self._map[:PREFAULT] = bytes(min(PREFAULT, len(self._map)))
 
     def append(self, data: bytes) -> bool:
         start, end = self.offset, self.offset + _LENGTH.size + len(data)
