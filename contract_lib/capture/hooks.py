@@ -69,6 +69,7 @@ class HookInstaller:
         if self.mlx:
             self._install_mlx_launch_hooks()
         self.backend = BackendStateRecorder(self.s)
+        self.find_invariant_checker()
 
     def _install_abort_output_hook(self) -> None:
         """Record every ``AbortReq`` SGLang sends back for a request (each caller ends

@@ -66,7 +66,7 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
         # Per req_to_token entry: the registry index (in ``reqs`` order) of the request
         # that held the row when the entry was last written; -1 never written.
         self.written_by: np.ndarray | None = None
-        self._checker = None
+        self.invariant_checker = None  # SGLang's, found when the hooks go in
         # Numpy views of the tensors read every step (sliced without torch).
         self.req_to_token_view = NumpyView()
         self.relay_view = NumpyView()

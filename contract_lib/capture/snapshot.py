@@ -81,7 +81,7 @@ class StepSnapshot:
 
     def _pool_terms(self) -> dict[str, Any]:
         """SGLang's own KV pool conservation terms (``InvariantChecker``), and its verdict."""
-        checker = self._invariant_checker()
+        checker = self.invariant_checker
         stats = checker.pool_stats_observer.get_pool_stats()
         uncached = uncached_sizes(checker)
         leak, _message = checker._check_full_pool(stats, uncached=uncached)
@@ -93,21 +93,21 @@ class StepSnapshot:
             "kv_uncached": int(uncached), "pool_leak": bool(leak),
         }
 
-    def _invariant_checker(self):
-        """SGLang's ``SchedulerInvariantChecker``: the scheduler's own or, where the loop
-        builds none (``omni``), one SGLang's ``init_invariant_checker`` builds over the
-        scheduler's pools for the frames only (nothing in the loop reads it). Looked up
-        once: sglang-omni answers a missing attribute by raising inside its
-        ``__getattr__``, ~5 µs a step."""
-        if self._checker is None:
-            self._checker = getattr(self.s, "invariant_checker", None)
-        if self._checker is None:
+    def find_invariant_checker(self) -> None:
+        """Set ``invariant_checker``: SGLang's ``SchedulerInvariantChecker``, the
+        scheduler's own or, where the loop builds none (``omni``), one SGLang's
+        ``init_invariant_checker`` builds over the scheduler's pools for the frames only
+        (nothing in the loop reads it). Done once, when the hooks go in: sglang-omni
+        answers a missing attribute by raising inside its ``__getattr__`` (~5 µs), and
+        the build is set-up work, not the step's."""
+        checker = getattr(self.s, "invariant_checker", None)
+        if checker is None:
             from sglang.srt.managers.scheduler import Scheduler
 
             view = ReadThrough(self.s)
             Scheduler.init_invariant_checker(view)
-            self._checker = view.invariant_checker
-        return self._checker
+            checker = view.invariant_checker
+        self.invariant_checker = checker
 
     @staticmethod
     def _seq_lens(running, last) -> dict[int, int]:
@@ -123,7 +123,7 @@ class StepSnapshot:
 
 
 class ReadThrough:
-    """Reads fall through to the scheduler; writes stay here (see ``_invariant_checker``)."""
+    """Reads fall through to the scheduler; writes stay here (see ``find_invariant_checker``)."""
 
     def __init__(self, scheduler) -> None:
         self._scheduler = scheduler
