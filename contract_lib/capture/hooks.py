@@ -168,6 +168,10 @@ class HookInstaller:
         holding each row (by index, whatever form ``indices`` takes): the same index
         applied to ``written_by`` and to the row numbers, so it costs the write's size,
         not the table's."""
+        if (isinstance(indices, tuple) and len(indices) == 2 and type(indices[0]) is int
+                and type(indices[1]) is slice):  # (row, span): the extend path's form
+            self.written_by[indices] = self._row_holders()[indices[0]]
+            return
         index = _numpy_index(indices)
         self.written_by[index] = self._row_holders()[self._row_numbers[index]]
 
