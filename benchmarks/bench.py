@@ -93,7 +93,8 @@ def capture_overhead(repeat: int) -> list[dict]:
                     timing = frames.meta["timing"]
                     times[("wall", capture)].append(timing["loop_s"])
                     times[("CPU", capture)].append(timing["loop_cpu_s"])
-                    steps = len(frames.steps) if capture else steps
+                    if capture:
+                        steps = len(frames.steps)
             for kind in ("wall", "CPU"):
                 on, off = times[(kind, True)], times[(kind, False)]
                 with_, without = statistics.median(on), statistics.median(off)

@@ -167,7 +167,7 @@ class HookInstaller:
         """Attribute the entries ``req_to_token[indices]`` just written to the request
         holding each row (by index, whatever form ``indices`` takes): the same index
         applied to ``written_by`` and to the row numbers, so it costs the write's size,
-        not the table's."""
+        not the table's; a ``(row, span)`` index takes that row's holder directly."""
         if (isinstance(indices, tuple) and len(indices) == 2 and type(indices[0]) is int
                 and type(indices[1]) is slice):  # (row, span): the extend path's form
             self.written_by[indices] = self._row_holders()[indices[0]]
