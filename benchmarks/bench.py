@@ -1,5 +1,6 @@
 """Benchmark: what a run costs, cold, warm and cached; capture overhead; checker speed;
-notebook and test-suite times. Prints medians; ``--write`` also writes RESULTS.md.
+notebook and test-suite times. Prints medians; ``--write`` also puts them at the head of
+RESULTS.md (the sections after that table are kept).
 
     .venv/bin/python benchmarks/bench.py [--repeat 5] [--quick] [--only SECTION] [--write]
 
@@ -344,10 +345,18 @@ def main() -> None:
     print(machine())
     print(table)
     if args.write:
-        (ROOT / "benchmarks" / "RESULTS.md").write_text(
-            "# Benchmark results\n\nMeasured by `benchmarks/bench.py "
-            f"--repeat {args.repeat}` on {machine()}, {time.strftime('%Y-%m-%d')}.\n\n"
+        write_results(ROOT / "benchmarks" / "RESULTS.md", args.repeat, table)
+
+
+def write_results(path: Path, repeat: int, table: str) -> None:
+    """Replace the measured table at the head of RESULTS.md (everything before its first
+    ``## `` section); the sections after it (targets, each pass's notes) are kept."""
+    old = path.read_text() if path.exists() else ""
+    kept = old[old.index("\n## ") + 1:] if "\n## " in old else ""
+    head = ("# Benchmark results\n\nMeasured by `benchmarks/bench.py "
+            f"--repeat {repeat}` on {machine()}, {time.strftime('%Y-%m-%d')}.\n\n"
             + table + "\n")
+    path.write_text(head + ("\n" + kept if kept else ""))
 
 
 SECTIONS = {"runs": run_costs, "edit": edit_check, "capture": capture_overhead,

@@ -1,0 +1,39 @@
+"""``benchmarks/bench.py --write`` puts its table at the head of RESULTS.md and keeps the
+sections written after it (each pass's notes)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.fast
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "machine", lambda: "this machine")
+    return module
+
+
+def test_write_results_replaces_the_table_and_keeps_the_sections(bench, tmp_path):
+    path = tmp_path / "RESULTS.md"
+    sections = "## Against the targets\n\nkept\n\n## Issue #15\n\nkept too\n"
+    path.write_text("# Benchmark results\n\nMeasured on that machine.\n\n| old |\n\n" + sections)
+    bench.write_results(path, 3, "| new |")
+    text = path.read_text()
+    assert "| old |" not in text and "that machine" not in text
+    assert "--repeat 3` on this machine" in text and "| new |\n" in text
+    assert text.endswith("\n\n" + sections)
+
+
+def test_write_results_starts_a_missing_file(bench, tmp_path):
+    path = tmp_path / "RESULTS.md"
+    bench.write_results(path, 5, "| new |")
+    assert path.read_text().startswith("# Benchmark results") and "## " not in path.read_text()
