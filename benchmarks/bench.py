@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -352,7 +353,8 @@ def write_results(path: Path, repeat: int, table: str) -> None:
     """Replace the measured table at the head of RESULTS.md (everything before its first
     ``## `` section); the sections after it (targets, each pass's notes) are kept."""
     old = path.read_text() if path.exists() else ""
-    kept = old[old.index("\n## ") + 1:] if "\n## " in old else ""
+    section = re.search(r"^## ", old, re.MULTILINE)
+    kept = old[section.start():] if section else ""
     head = ("# Benchmark results\n\nMeasured by `benchmarks/bench.py "
             f"--repeat {repeat}` on {machine()}, {time.strftime('%Y-%m-%d')}.\n\n"
             + table + "\n")

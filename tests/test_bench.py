@@ -37,3 +37,10 @@ def test_write_results_starts_a_missing_file(bench, tmp_path):
     path = tmp_path / "RESULTS.md"
     bench.write_results(path, 5, "| new |")
     assert path.read_text().startswith("# Benchmark results") and "## " not in path.read_text()
+
+
+def test_write_results_keeps_a_file_of_sections_only(bench, tmp_path):
+    path = tmp_path / "RESULTS.md"
+    path.write_text("## Notes\n\nkept\n")
+    bench.write_results(path, 5, "| new |")
+    assert path.read_text().endswith("| new |\n\n## Notes\n\nkept\n")
