@@ -1,6 +1,6 @@
 """Benchmark: what a run costs, cold, warm and cached; capture overhead; checker speed;
 notebook and test-suite times. Prints medians; ``--write`` also puts them at the head of
-RESULTS.md (the sections after that table are kept).
+RESULTS.md (the sections after that table are kept; only a whole run writes).
 
     .venv/bin/python benchmarks/bench.py [--repeat 5] [--quick] [--only SECTION] [--write]
 
@@ -330,6 +330,9 @@ def main() -> None:
                         help="time only these notebooks, from an empty frame cache")
     parser.add_argument("--write", action="store_true", help="write benchmarks/RESULTS.md")
     args = parser.parse_args()
+    if args.write and (args.only or args.notebook or args.quick):
+        # RESULTS.md's head is one sitting's whole table; a part would drop the rest.
+        parser.error("--write records the whole benchmark: drop --only, --notebook and --quick")
     chosen = args.only or [name for name in SECTIONS
                            if not (args.quick and name in ("notebooks", "tests"))]
     rows = []

@@ -44,3 +44,16 @@ def test_write_results_keeps_a_file_of_sections_only(bench, tmp_path):
     path.write_text("## Notes\n\nkept\n")
     bench.write_results(path, 5, "| new |")
     assert path.read_text().endswith("| new |\n\n## Notes\n\nkept\n")
+
+
+@pytest.mark.parametrize("part", [["--only", "checker"], ["--notebook", "00-overview"],
+                                  ["--quick"]])
+def test_write_refuses_a_partial_benchmark(bench, monkeypatch, capsys, tmp_path, part):
+    # Nothing to measure and nowhere real to write, should the refusal ever go.
+    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    monkeypatch.setattr(bench, "SECTIONS", {"checker": None})
+    monkeypatch.setattr("sys.argv", ["bench.py", "--write", *part])
+    with pytest.raises(SystemExit) as exit_:
+        bench.main()
+    assert exit_.value.code == 2
+    assert "--write records the whole benchmark" in capsys.readouterr().err
