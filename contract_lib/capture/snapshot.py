@@ -96,17 +96,18 @@ class StepSnapshot:
     def find_invariant_checker(self) -> None:
         """Set ``invariant_checker``: SGLang's ``SchedulerInvariantChecker``, the
         scheduler's own or, where the loop builds none (``omni``), one SGLang's
-        ``init_invariant_checker`` builds over the scheduler's pools for the frames only
-        (nothing in the loop reads it). Done once, when the hooks go in: sglang-omni
-        answers a missing attribute by raising inside its ``__getattr__`` (~5 µs), and
-        the build is set-up work, not the step's."""
+        ``init_invariant_checker`` builds over the scheduler's pools for the frames only:
+        the attribute it sets is taken back at once, so nothing in the loop reads it,
+        and the checker's getters read the scheduler directly at every step. Done once,
+        when the hooks go in: sglang-omni answers a missing attribute by raising inside
+        its ``__getattr__`` (~5 µs), and the build is set-up work, not the step's."""
         checker = getattr(self.s, "invariant_checker", None)
         if checker is None:
             from sglang.srt.managers.scheduler import Scheduler
 
-            view = ReadThrough(self.s)
-            Scheduler.init_invariant_checker(view)
-            checker = view.invariant_checker
+            Scheduler.init_invariant_checker(self.s)
+            checker = self.s.invariant_checker
+            del self.s.invariant_checker
         self.invariant_checker = checker
 
     @staticmethod
@@ -121,12 +122,3 @@ class StepSnapshot:
                 found.setdefault(id(req), seq_len)  # the first entry wins
         return found
 
-
-class ReadThrough:
-    """Reads fall through to the scheduler; writes stay here (see ``find_invariant_checker``)."""
-
-    def __init__(self, scheduler) -> None:
-        self._scheduler = scheduler
-
-    def __getattr__(self, name: str):
-        return getattr(self._scheduler, name)
