@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import random
 import re
 import statistics
 import subprocess
@@ -45,6 +46,17 @@ def median_time(fn, repeat: int) -> float:
         fn()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+def median_interval(values: list[float], level: float = 0.9, resamples: int = 2000
+                    ) -> tuple[float, float]:
+    """A bootstrap interval of the median of ``values`` (percentile method, seeded: the
+    same values give the same interval): how far another sitting's median may land."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values)))
+                     for _ in range(resamples))
+    tail = (1 - level) / 2
+    return medians[int(tail * resamples)], medians[int((1 - tail) * resamples) - 1]
 
 
 def run_costs(repeat: int) -> list[dict]:
@@ -81,8 +93,9 @@ def capture_overhead(repeat: int) -> list[dict]:
     and the capture's CPU per step (µs). Runs go in pairs (on then off, then off then
     on), so a busy spell of this shared machine slows both halves of a pair: besides the
     ratio of the medians, the median of the pairs' own ratios, the steadier figure (CPU
-    medians move by +-0.2x between sittings otherwise), with its quartiles: the spread
-    one sitting shows."""
+    medians move by +-0.2x between sittings otherwise), with its quartiles (the spread
+    one sitting shows) and a bootstrap interval of that median (where another sitting's
+    may land: a target inside it is neither met nor missed by this sitting)."""
     rows = []
     for workload in CAPTURE_WORKLOADS:
         for loop in contract_lib.LOOPS:
@@ -108,9 +121,11 @@ def capture_overhead(repeat: int) -> list[dict]:
                 ratios = [a / b for a, b in zip(on, off)]
                 quartiles = (statistics.quantiles(ratios, n=4) if len(ratios) > 1
                              else ratios * 3)
+                low, high = median_interval(ratios)
                 rows.append({"measure": f"capture overhead ({kind}), {workload}/{loop}, "
                                         f"median of {repeat} paired ratios (quartiles "
-                                        f"{quartiles[0]:.2f}-{quartiles[2]:.2f})",
+                                        f"{quartiles[0]:.2f}-{quartiles[2]:.2f}; 90% "
+                                        f"interval of the median {low:.2f}-{high:.2f})",
                              "value": statistics.median(ratios), "unit": "x"})
     return rows
 

@@ -57,3 +57,11 @@ def test_write_refuses_a_partial_benchmark(bench, monkeypatch, capsys, tmp_path,
         bench.main()
     assert exit_.value.code == 2
     assert "--write records the whole benchmark" in capsys.readouterr().err
+
+
+def test_the_median_interval_is_seeded_and_brackets_the_median(bench):
+    ratios = [1.13, 1.43, 1.33, 1.2, 1.29, 1.5, 1.31, 1.25, 1.38, 1.1, 1.36, 1.27, 1.4, 1.22, 1.34]
+    low, high = bench.median_interval(ratios)
+    assert (low, high) == bench.median_interval(ratios)
+    assert min(ratios) <= low < 1.31 < high <= max(ratios)
+    assert bench.median_interval([1.2] * 9) == (1.2, 1.2)
