@@ -61,8 +61,9 @@ def _released_since(rid_codes: np.ndarray, steps: np.ndarray, has_row: np.ndarra
     held = np.cumsum(has_row[order])
     held_before = np.concatenate(([0], held))[np.flatnonzero(new_request)]
     member = released[order] & (held - held_before[group] > 0)
-    begins = member.copy()
+    begins = member.copy()  # a streak begins at a member whose predecessor is not one
     begins[1:] &= new_request[1:] | ~member[:-1]
+    # each member takes the step of the last streak begun at or before it
     began = step[begins][np.maximum(np.cumsum(begins) - 1, 0)] if begins.any() else step
     since = np.full(len(rid), -1)
     since[order] = np.where(member, began, -1)
