@@ -22,7 +22,8 @@
 #
 # ```
 # papermill 06-triage.ipynb out.ipynb -p workload my-workload.toml -p loop mlx \
-#     -p patch fix-chained-accounting -y '{"server_args": {"chunked_prefill_size": 32}}'
+#     -p patch fix-chained-accounting -p explore False \
+#     -y '{"server_args": {"chunked_prefill_size": 32}}'
 # ```
 #
 # It runs the workload through the real SGLang loop, checks the clauses, prints the
@@ -44,6 +45,10 @@
 # - `sglang`: `None` (the installed release) or another supported release, e.g. `0.5.21`.
 # - `compare`: also run the references (the same run without the patch, and the torch
 #   loops) and show them beside it.
+# - `explore`: end with the interactive step explorer (ipywidgets). Pass
+#   `-p explore False` to papermill: a stored notebook cannot move a slider, and nbclient
+#   can hang for good on a widget cell (jupyter/nbclient#312); the static view follows
+#   either way.
 #
 # A bad parameter, or a run that fails in set-up, stops at the next cell with the
 # library's one-line message.
@@ -56,6 +61,7 @@ server_args = {}
 runner = "model-free"
 sglang = None
 compare = True
+explore = True
 
 # %%
 # %matplotlib inline
@@ -146,11 +152,12 @@ print(views.text_table(views.frames_around(frames, step, before=1, after=1)))
 #
 # With a live kernel, move the slider and choose a request. The view shows that
 # request's counters over the run and its `req_to_token` row at the chosen step. The cell
-# is skipped by the notebook tests (`NBVAL_SKIP`): a widget needs a live kernel.
+# is skipped by the notebook tests (`NBVAL_SKIP`): a widget needs a live kernel. With
+# `explore = False` (a papermill run) it shows nothing.
 
 # %%
 # NBVAL_SKIP
-views.step_explorer(frames, step=step, rid=rid)
+views.step_explorer(frames, step=step, rid=rid) if explore else None
 
 # %% [markdown]
 # ## The same view, static

@@ -43,12 +43,15 @@ arrival = 14
 
 
 def _execute(tmp_path: Path, **parameters):
+    """Run the notebook as the README does (``explore False``: no widget, on which
+    nbclient can wait for good); a cell still running after 10 minutes fails the test."""
     out = tmp_path / "out.ipynb"
     error = None
     try:
-        papermill.execute_notebook(str(NOTEBOOK), str(out), parameters=parameters,
+        papermill.execute_notebook(str(NOTEBOOK), str(out),
+                                   parameters={"explore": False, **parameters},
                                    kernel_name="python3", progress_bar=False,
-                                   cwd=str(NOTEBOOK.parent))
+                                   cwd=str(NOTEBOOK.parent), execution_timeout=600)
     except papermill.PapermillExecutionError as raised:
         error = raised
     return nbformat.read(out, as_version=4), error
