@@ -70,6 +70,7 @@ from contract_lib.contract import violation_message
 
 views.setup()
 
+views.check_switches(compare=compare, explore=explore)
 options = dict(runner=runner, sglang=sglang)
 frames, report = views.checked_run(workload, loop, patch=patch, server_args=server_args,
                                    **options)

@@ -95,6 +95,7 @@ def test_a_toml_workload_with_a_patch(tmp_path):
     (dict(workload="no-such-workload"), "stopped: WorkloadError: unknown workload"),
     (dict(patch="no-such-patch"), "stopped: PatchError: unknown patch"),
     (dict(server_args={"bogus_arg": 1}), "stopped: RunSetupError: unknown server arg"),
+    (dict(explore="false"), "stopped: explore must be True or False"),
 ])
 def test_bad_parameters_stop_at_the_first_cell(tmp_path, parameters, message):
     notebook, error = _execute(tmp_path, compare=False, **parameters)

@@ -30,7 +30,8 @@ from contract_lib.views.idle import idle_predicate
 from contract_lib.views.kvpool import (damage_by_workload, damage_summary, damage_table,
                                        kv_pool_verdicts, kv_writes, same_tables, token_table)
 from contract_lib.views.launches import launch_kinds, launch_timeline
-from contract_lib.views.notebook import Stop, checked_run, md, setup, verdict_line
+from contract_lib.views.notebook import (Stop, check_switches, checked_run, md, setup,
+                                        verdict_line)
 from contract_lib.views.relay import relay_events
 from contract_lib.views.slots import SLOT_COLOURS, slot_grid, slot_rows
 from contract_lib.views.stamps import stamps_table, step_stamps
@@ -42,7 +43,7 @@ from contract_lib.views.triage import (clause_view, first_violation, step_explor
 
 __all__ = [
     "SLOT_COLOURS", "audit_cadences", "audit_table", "beyond_rfc_text", "bug_card",
-    "checked_run", "clause_comparison", "clause_view", "clock_table", "counter_drift",
+    "check_switches", "checked_run", "clause_comparison", "clause_view", "clock_table", "counter_drift",
     "crash_summary", "damage_by_workload", "damage_summary", "damage_table", "first_violation",
     "frames_around", "idle_predicate", "kv_pool_verdicts", "kv_writes", "later_turns",
     "launch_kinds", "launch_timeline", "md", "memory_pressure", "memory_table",

@@ -40,6 +40,16 @@ class Stop(Exception):
         return [f"stopped: {self}"]
 
 
+def check_switches(**switches) -> None:
+    """Stop a parameterised notebook on an on/off parameter that is not ``True`` or
+    ``False``: papermill's ``-p name false`` passes the string ``"false"``, which Python
+    would read as on."""
+    for name, value in switches.items():
+        if not isinstance(value, bool):
+            raise Stop(f"{name} must be True or False (papermill: -p {name} False), "
+                       f"got {value!r}")
+
+
 def checked_run(workload, loop: str, **options) -> tuple[Frames, Report]:
     """``contract_lib.run`` and ``check`` for a parameterised notebook: a bad parameter
     (the library's one-line message) or a run that failed in set-up raises
