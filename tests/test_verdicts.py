@@ -279,6 +279,9 @@ def test_writes_are_attributed_to_the_row_holder_even_when_values_repeat():
     first.kv.req_pool_idx, second.kv.req_pool_idx = None, 1  # row 1 freed and reused
     recorder.on_row_write((torch.tensor([1, 1]), torch.tensor([0, 1])))
     assert recorder.written_by[1, :5].tolist() == [1, 1, 0, 0, -1]
+    # rows broadcast against positions: each entry is its row's holder's (row 2: none)
+    recorder.on_row_write((torch.tensor([[1], [2]]), torch.tensor([[6, 7], [6, 7]])))
+    assert recorder.written_by[1:, 6:].tolist() == [[1, 1], [-1, -1]]
 
 
 def test_numpy_view_follows_a_rebound_or_resized_tensor():

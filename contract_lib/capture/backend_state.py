@@ -69,11 +69,12 @@ class BackendStateRecorder:
                 if not value:  # holds no key: not found per-request yet (looked at again)
                     continue
                 structure = f"{owner}.{name}"
-                keys = [k for k in value if isinstance(k, str)]
                 if structure not in self.per_request:
-                    if not any(k in reqs for k in keys):
+                    held = value.keys() if isinstance(value, dict) else value
+                    if held.isdisjoint(reqs):  # in C: no known request id among its keys
                         continue
                     self.per_request.add(structure)
+                keys = [k for k in value if isinstance(k, str)]
                 maps_row = isinstance(value, dict) and "pool_idx" in name
                 for key in sorted(keys):
                     row = value[key] if maps_row else None

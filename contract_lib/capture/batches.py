@@ -43,10 +43,12 @@ def prefill_lanes(batch) -> list[int]:
     return [i for i, req in enumerate(batch.reqs) if id(req) not in decoding]
 
 
-def prefilled_tokens(batch) -> int:
+def prefilled_tokens(batch, lanes: list[int] | None = None) -> int:
     """Tokens a launch prefills (clause 6): its prefill lanes' ``extend_lens``; a decode
-    lane of a mixed batch, a decode or a chained launch (``batch`` None) prefill none."""
-    lanes = prefill_lanes(batch)
+    lane of a mixed batch, a decode or a chained launch (``batch`` None) prefill none.
+    ``lanes``: the batch's :func:`prefill_lanes`, where the caller has them."""
+    if lanes is None:
+        lanes = prefill_lanes(batch)
     return int(sum(batch.extend_lens[i] for i in lanes))
 
 

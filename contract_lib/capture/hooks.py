@@ -10,15 +10,11 @@ from contract_lib.capture.backend_state import BackendStateRecorder
 
 def _numpy_index(indices):
     """The same index for the numpy view of the table (CPU tensors become arrays, no
-    copy): numpy indexes a few entries in ~1 µs where torch takes ~10 µs an op."""
-    import torch
-
-    if isinstance(indices, torch.Tensor):
-        return indices.numpy()
+    copy): numpy indexes a few entries in ~1 µs where torch takes ~10 µs an op. A part
+    with a ``numpy`` method is a tensor (numpy's own arrays have none)."""
     if isinstance(indices, tuple):
-        return tuple(part.numpy() if isinstance(part, torch.Tensor) else part
-                     for part in indices)
-    return indices
+        return tuple(part.numpy() if hasattr(part, "numpy") else part for part in indices)
+    return indices.numpy() if hasattr(indices, "numpy") else indices
 
 
 class HookInstaller:
@@ -173,6 +169,12 @@ class HookInstaller:
             self.written_by[indices] = self._row_holders()[indices[0]]
             return
         index = _numpy_index(indices)
+        if (isinstance(index, tuple) and len(index) == 2 and isinstance(index[1], np.ndarray)
+                and isinstance(index[0], (np.ndarray, int))):
+            # (rows, positions), the decode path's form: each entry's row is its part of
+            # ``rows`` (broadcast like the index), without indexing the row numbers
+            self.written_by[index] = self._row_holders()[index[0]]
+            return
         self.written_by[index] = self._row_holders()[self._row_numbers[index]]
 
     def _row_holders(self) -> np.ndarray:

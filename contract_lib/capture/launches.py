@@ -31,11 +31,12 @@ class LaunchRecording:
         for rid, seq_len, token in zip(rids, batch.seq_lens.tolist(), tokens):
             self.kv_computed[rid] = int(seq_len)
             self.latest_token[rid] = int(token)
-        for lane in prefill_lanes(batch):
+        lanes = prefill_lanes(batch)
+        for lane in lanes:
             self.kv_prefilled[rids[lane]] = self.kv_computed[rids[lane]]
         self._record_launch(forward_iter=batch.forward_iter, launch_ts=batch.launch_ts,
                             mode=mode_name(batch), chained=False, rids=rids,
-                            prefilled_tokens=prefilled_tokens(batch))
+                            prefilled_tokens=prefilled_tokens(batch, lanes))
 
     def on_mlx_launch(self, launch, batch, *, chained: bool) -> None:
         rids = []
