@@ -2,7 +2,8 @@
 notebook and test-suite times. Prints medians; ``--write`` also puts them at the head of
 RESULTS.md (the sections after that table are kept; only a whole run writes).
 
-    .venv/bin/python benchmarks/bench.py [--repeat 5] [--quick] [--only SECTION] [--write]
+    .venv/bin/python benchmarks/bench.py [--repeat 5] [--pairs 60] [--quick] [--only SECTION]
+                                         [--write]
 
 Targets (issue "make a run cost its loop"): warm run <= 1.5 s for two-turn on any loop,
 cached run <= 50 ms, capture overhead <= 1.3x, checker >= 1e6 frame rows/s, the notebook
@@ -88,7 +89,7 @@ def run_costs(repeat: int) -> list[dict]:
 CAPTURE_WORKLOADS = ("two-turn", "memory-pressure")
 
 
-def capture_overhead(repeat: int) -> list[dict]:
+def capture_overhead(pairs: int) -> list[dict]:
     """The loop's wall time and its process's CPU time with the recorder on against off,
     and the capture's CPU per step (µs). Runs go in pairs (on then off, then off then
     on), so a busy spell of this shared machine slows both halves of a pair: besides the
@@ -102,7 +103,7 @@ def capture_overhead(repeat: int) -> list[dict]:
             times = {(kind, capture): [] for kind in ("wall", "CPU")
                      for capture in (True, False)}
             steps = 0
-            for index in range(repeat):
+            for index in range(pairs):
                 for capture in ((True, False) if index % 2 == 0 else (False, True)):
                     frames = contract_lib.run(workload, loop, cache=False, capture=capture)
                     timing = frames.meta["timing"]
@@ -123,7 +124,7 @@ def capture_overhead(repeat: int) -> list[dict]:
                              else ratios * 3)
                 low, high = median_interval(ratios)
                 rows.append({"measure": f"capture overhead ({kind}), {workload}/{loop}, "
-                                        f"median of {repeat} paired ratios (quartiles "
+                                        f"median of {pairs} paired ratios (quartiles "
                                         f"{quartiles[0]:.2f}-{quartiles[2]:.2f}; 90% "
                                         f"interval of the median {low:.2f}-{high:.2f})",
                              "value": statistics.median(ratios), "unit": "x"})
@@ -343,6 +344,9 @@ def main() -> None:
                         help="measure only these sections (repeatable)")
     parser.add_argument("--notebook", action="append", metavar="NAME",
                         help="time only these notebooks, from an empty frame cache")
+    parser.add_argument("--pairs", type=int, default=60,
+                        help="on/off run pairs per loop and workload for the capture "
+                             "overhead (a sitting's median moved by +-0.15x with 15)")
     parser.add_argument("--write", action="store_true", help="write benchmarks/RESULTS.md")
     args = parser.parse_args()
     if args.write and (args.only or args.notebook or args.quick):
@@ -357,24 +361,26 @@ def main() -> None:
             for name in chosen:
                 section = SECTIONS[name]
                 rows += (section(args.notebook) if name == "notebooks" else section()
-                         if name == "tests" else section(args.repeat))
+                         if name == "tests" else section(args.pairs) if name == "capture"
+                         else section(args.repeat))
         finally:
             pool.stop_all(Path(directory))
     table = render(rows)
     print(machine())
     print(table)
     if args.write:
-        write_results(ROOT / "benchmarks" / "RESULTS.md", args.repeat, table)
+        write_results(ROOT / "benchmarks" / "RESULTS.md", f"--repeat {args.repeat} "
+                      f"--pairs {args.pairs}", table)
 
 
-def write_results(path: Path, repeat: int, table: str) -> None:
+def write_results(path: Path, options: str, table: str) -> None:
     """Replace the measured table at the head of RESULTS.md (everything before its first
     ``## `` section); the sections after it (targets, each pass's notes) are kept."""
     old = path.read_text() if path.exists() else ""
     section = re.search(r"^## ", old, re.MULTILINE)
     kept = old[section.start():] if section else ""
     head = ("# Benchmark results\n\nMeasured by `benchmarks/bench.py "
-            f"--repeat {repeat}` on {machine()}, {time.strftime('%Y-%m-%d')}.\n\n"
+            f"{options}` on {machine()}, {time.strftime('%Y-%m-%d')}.\n\n"
             + table + "\n")
     path.write_text(head + ("\n" + kept if kept else ""))
 

@@ -26,23 +26,23 @@ def test_write_results_replaces_the_table_and_keeps_the_sections(bench, tmp_path
     path = tmp_path / "RESULTS.md"
     sections = "## Against the targets\n\nkept\n\n## Issue #15\n\nkept too\n"
     path.write_text("# Benchmark results\n\nMeasured on that machine.\n\n| old |\n\n" + sections)
-    bench.write_results(path, 3, "| new |")
+    bench.write_results(path, "--repeat 3 --pairs 8", "| new |")
     text = path.read_text()
     assert "| old |" not in text and "that machine" not in text
-    assert "--repeat 3` on this machine" in text and "| new |\n" in text
+    assert "--repeat 3 --pairs 8` on this machine" in text and "| new |\n" in text
     assert text.endswith("\n\n" + sections)
 
 
 def test_write_results_starts_a_missing_file(bench, tmp_path):
     path = tmp_path / "RESULTS.md"
-    bench.write_results(path, 5, "| new |")
+    bench.write_results(path, "--repeat 5", "| new |")
     assert path.read_text().startswith("# Benchmark results") and "## " not in path.read_text()
 
 
 def test_write_results_keeps_a_file_of_sections_only(bench, tmp_path):
     path = tmp_path / "RESULTS.md"
     path.write_text("## Notes\n\nkept\n")
-    bench.write_results(path, 5, "| new |")
+    bench.write_results(path, "--repeat 5", "| new |")
     assert path.read_text().endswith("| new |\n\n## Notes\n\nkept\n")
 
 
