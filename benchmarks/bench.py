@@ -349,6 +349,8 @@ def main() -> None:
                              "overhead (a sitting's median moved by +-0.15x with 15)")
     parser.add_argument("--write", action="store_true", help="write benchmarks/RESULTS.md")
     args = parser.parse_args()
+    if args.repeat < 1 or args.pairs < 1:
+        parser.error("--repeat and --pairs take a count of at least 1")
     if args.write and (args.only or args.notebook or args.quick):
         # RESULTS.md's head is one sitting's whole table; a part would drop the rest.
         parser.error("--write records the whole benchmark: drop --only, --notebook and --quick")
@@ -360,9 +362,9 @@ def main() -> None:
         try:
             for name in chosen:
                 section = SECTIONS[name]
-                rows += (section(args.notebook) if name == "notebooks" else section()
-                         if name == "tests" else section(args.pairs) if name == "capture"
-                         else section(args.repeat))
+                arguments = {"notebooks": (args.notebook,), "tests": (),
+                             "capture": (args.pairs,)}.get(name, (args.repeat,))
+                rows += section(*arguments)
         finally:
             pool.stop_all(Path(directory))
     table = render(rows)
