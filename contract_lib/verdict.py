@@ -101,12 +101,21 @@ def unsupported(meta: dict) -> str | None:
 
 
 def loop_mismatch(meta: dict) -> str | None:
-    """Why the loop that ran is not the loop asked for, or None. Runs recorded before the
-    loop function was recorded (no ``loop_function`` in meta) are not judged here."""
+    """Why the loop that ran is not the loop asked for, or None. A run that finished
+    without entering any ``event_loop_*`` method (none recorded in ``loop_function``) ran
+    a loop of its own: something replaced SGLang's dispatch, so the loop asked for was
+    not judged. A loop registered in another process (function unknown here) is not
+    judged."""
     entered = meta.get("loop_function")
     wanted = loops.loop_functions().get(meta.get("loop"))
-    if entered is None or wanted is None or entered == wanted:
+    if wanted is None or entered == wanted:
         return None
+    if entered is None:
+        if meta.get("status") != "finished":
+            return None  # it never reached a loop, or stopped in one: not a pass anyway
+        return (f"--loop {meta['loop']} asked for {wanted}, but the run finished without "
+                "entering it or any other event_loop_* method: something (a patch or a "
+                "diff) replaced SGLang's dispatch, so the loop asked for never ran")
     return (f"--loop {meta['loop']} asked for {wanted}, but SGLang entered {entered} "
             f"(enable_overlap={meta.get('enable_overlap')}, "
             f"enable_overlap_mlx={meta.get('enable_overlap_mlx')})")

@@ -253,6 +253,34 @@ def test_a_recorded_loop_mismatch_is_a_setup_error(saved):
     assert check(other).verdict().outcome == Outcome.USAGE
 
 
+@pytest.mark.fast
+def test_a_finished_run_that_entered_no_event_loop_is_a_setup_error(saved):
+    """No ``loop_function``: the run's loop was not SGLang's dispatch target at all."""
+    frames = saved("two-turn", "overlap")
+    meta = copy.deepcopy(frames.meta)
+    del meta["loop_function"]
+    judged = check(contract_lib.Frames(tables=frames.tables, meta=meta), "rfc").verdict()
+    assert judged.outcome == Outcome.USAGE
+    assert "finished without entering it or any other event_loop_* method" in judged.reason
+    crashed = {**meta, "status": "crashed", "error": {"type": "RuntimeError",
+                                                      "message": "x", "phase": "loop"}}
+    judged = check(contract_lib.Frames(tables=frames.tables, meta=crashed), "rfc").verdict()
+    assert judged.outcome == Outcome.NOT_FINISHED
+
+
+def test_a_patch_that_bypasses_the_dispatch_is_a_setup_error(capsys):
+    """A patch whose ``run_event_loop`` runs a loop body through the class enters no
+    ``event_loop_*`` method: the workload finishes, every RFC clause holds, and the loop
+    asked for never ran."""
+    assert _check("--loop", "overlap", "--workload", "single-decode",
+                  "--patch", "user_patches:own_loop") == 2
+    out = capsys.readouterr().out
+    assert "asked for event_loop_overlap, but the run finished without entering it" in out
+    assert main(["run", "--loop", "overlap", "--workload", "single-decode",
+                 "--patch", "user_patches:own_loop", "--out", "/dev/null"]) == 2
+    assert "replaced SGLang's dispatch" in capsys.readouterr().err
+
+
 # -- clause 1: a stale entry in a reused row ---------------------------------------------------
 
 

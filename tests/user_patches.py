@@ -1,7 +1,8 @@
 """Patches written outside the package, as a triager would: ``user_patches:NAME``.
 
-Each wraps ``Scheduler.get_next_batch_to_run`` (called once per scheduling iteration by
-every loop) and misbehaves on its 4th call, i.e. inside the loop, after frames exist.
+The fault patches (``*_in_loop``) wrap ``Scheduler.get_next_batch_to_run`` (called once
+per scheduling iteration by every loop) and misbehave on its 4th call, i.e. inside the
+loop, after frames exist; each of the others says what it changes.
 """
 
 import os
@@ -92,3 +93,15 @@ def omni_forward_raises():
         raise RuntimeError("injected decode failure")
 
     ModelRunner.custom_decode_forward = custom_decode_forward
+
+
+def own_loop():
+    """Replace SGLang's dispatch: ``run_event_loop`` runs ``event_loop_normal``'s body
+    through the class, bypassing every ``event_loop_*`` method of the instance, whatever
+    loop was asked for (a replacement loop that is not SGLang's)."""
+    body = Scheduler.event_loop_normal
+
+    def run_event_loop(self):
+        return body(self)
+
+    Scheduler.run_event_loop = run_event_loop

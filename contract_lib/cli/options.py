@@ -14,7 +14,7 @@ from contract_lib.harness import RUNNERS, RunInterrupted, RunSetupError, run
 from contract_lib.patches import BUILTIN_PATCHES, PatchError, patch_spec
 from contract_lib.paths import FRAMES_DIR
 from contract_lib.sources import is_path
-from contract_lib.verdict import Outcome, setup_failed
+from contract_lib.verdict import Outcome, loop_mismatch, setup_failed
 from contract_lib.versions import (SUPPORTED_SGLANG_VERSIONS, SGLangInstallError,
                                    UnsupportedSGLangError)
 from contract_lib.workloads import WorkloadError
@@ -134,7 +134,12 @@ def save_frames(frames: Frames, path: Path) -> Path | None:
 
 
 def fate(frames: Frames) -> Outcome:
-    """A run's fate alone: set-up error (2), did not finish (3), else 0."""
+    """A run's fate alone: set-up error or not the loop asked for (2, the reason on
+    stderr), did not finish (3), else 0."""
     if setup_failed(frames.meta):
+        return Outcome.USAGE
+    mismatch = loop_mismatch(frames.meta)
+    if mismatch:
+        print(f"error: {mismatch}", file=sys.stderr)
         return Outcome.USAGE
     return Outcome.PASS if frames.status == "finished" else Outcome.NOT_FINISHED
