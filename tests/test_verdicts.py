@@ -67,6 +67,15 @@ def test_a_patch_that_raises_in_the_loop_exits_3(capsys):
     assert "verdict: not-finished (exit 3)" in out
 
 
+@pytest.mark.parametrize("loop", ["overlap", "mlx"])
+def test_a_patch_that_rebinds_the_relay_reader_is_the_code_that_runs(capsys, loop):
+    """The capture wraps each module's own ``resolve_forward_inputs`` binding: a patch
+    that rebound it is not undone (it was, and this check passed on SGLang's reader)."""
+    assert _check("--loop", loop, "--workload", "two-turn",
+                  "--patch", "user_patches:relay_reader_raises") == 3
+    assert "run crashed: RuntimeError: the patched relay reader ran" in capsys.readouterr().out
+
+
 def test_max_steps_reached_exits_3(tmp_path, capsys):
     workload = contract_lib.load_workload("single-decode").to_dict()
     workload["max_steps"] = 4

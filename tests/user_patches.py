@@ -105,3 +105,17 @@ def own_loop():
         return body(self)
 
     Scheduler.run_event_loop = run_event_loop
+
+
+def relay_reader_raises():
+    """Rebind ``resolve_forward_inputs`` where the scheduler module and the MLX mixin call
+    it, to a reader that raises: the capture must wrap the patched binding, not put
+    SGLang's own back."""
+    from sglang.srt.hardware_backend.mlx import scheduler_mixin
+    from sglang.srt.managers import scheduler as scheduler_module
+
+    def resolve_forward_inputs(batch, future_map):
+        raise RuntimeError("the patched relay reader ran")
+
+    scheduler_module.resolve_forward_inputs = resolve_forward_inputs
+    scheduler_mixin.resolve_forward_inputs = resolve_forward_inputs

@@ -104,19 +104,16 @@ class HookInstaller:
 
         future_map = self.s.future_map
         future_map.output_tokens_buf.fill_(-1)  # poison: an unwritten row reads -1
-        real_resolve = overlap_utils.resolve_forward_inputs
-
-        def resolve_forward_inputs(batch, fmap):
-            self.on_relay_read(batch, fmap)
-            return real_resolve(batch, fmap)
-
-        scheduler_module.resolve_forward_inputs = resolve_forward_inputs
+        callers = [scheduler_module]
         if self.omni:  # its execution bridge imports it at every forward
-            overlap_utils.resolve_forward_inputs = resolve_forward_inputs
+            callers.append(overlap_utils)
         if self.mlx:
             from sglang.srt.hardware_backend.mlx import scheduler_mixin
 
-            scheduler_mixin.resolve_forward_inputs = resolve_forward_inputs
+            callers.append(scheduler_mixin)
+        for module in callers:
+            # Each module's own binding is wrapped: a patch that rebound it there runs.
+            module.resolve_forward_inputs = self._relay_reader(module.resolve_forward_inputs)
 
         real_stash = future_map.stash
         real_stash_bonus = future_map.stash_bonus_tokens
@@ -133,6 +130,15 @@ class HookInstaller:
 
         future_map.stash = stash
         future_map.stash_bonus_tokens = stash_bonus_tokens
+
+    def _relay_reader(self, real_resolve):
+        """``resolve_forward_inputs`` as one module calls it, its reads recorded first."""
+
+        def resolve_forward_inputs(batch, fmap):
+            self.on_relay_read(batch, fmap)
+            return real_resolve(batch, fmap)
+
+        return resolve_forward_inputs
 
     def _install_row_write_hook(self) -> None:
         """Wrap ``write`` on the class that defines it (not the instance), before the
