@@ -6,8 +6,8 @@ with diffs its identity from :mod:`contract_lib.sources`: the tree's per-file co
 digest, the diffs' text), the SGLang the run imports (the venv's, or the folder chosen
 with ``sglang=`` / ``diff=``: version, and the path, size and mtime of every file of the
 package, so an edited install is a different key), the
-versions of torch, mlx, mlx-lm and Python, this library's own source and data files, and
-the source of any user patch module. Only ``finished`` runs are stored; faults always rerun.
+versions of torch, mlx, mlx-lm and Python, this library's own source and data files, the
+source of any user patch module, and the ``SGL*`` environment variables SGLang reads. Only ``finished`` runs are stored; faults always rerun.
 
 What the key cannot know in advance, the entry records: the file and sha256 of every
 module the run loaded from outside the installed code (a user patch and the helper
@@ -42,7 +42,7 @@ from typing import Any
 from contract_lib.atomic import temporary_name_pattern
 from contract_lib.frames import (SCHEMA_VERSION, Frames, FramesFormatError, read_payload,
                                  write_payload)
-from contract_lib.installs import install_stamp
+from contract_lib.installs import install_stamp, sglang_environment
 from contract_lib.patches import PatchSpec
 from contract_lib.paths import MODEL_DIR, PACKAGE_DIR, PROJECT_ROOT
 
@@ -137,7 +137,8 @@ def key(spec: dict[str, Any], sglang_dir: Path | None = None) -> str:
     folder, a source tree or a scratch copy with diffs, whose content identity the spec
     carries (``sglang_source``)."""
     return _digest([SCHEMA_VERSION, spec, _environment_fingerprint(sglang_dir),
-                    _library_fingerprint(), _patch_sources(spec.get("patch"))])
+                    _library_fingerprint(), _patch_sources(spec.get("patch")),
+                    sglang_environment()])
 
 
 # -- user modules (what the key cannot know before the run) --------------------------------

@@ -1,7 +1,8 @@
 """What is installed: the name, version and ``RECORD`` mtime of each distribution a run
 depends on (SGLang, torch, mlx, mlx-lm, transformers), read once per process and search
 path and revalidated by stat (the frame cache's key and the warm server's fingerprint
-use it on every run; reading package metadata costs ~10 ms)."""
+use it on every run; reading package metadata costs ~10 ms); and the ``SGL*``
+environment SGLang reads."""
 
 from __future__ import annotations
 
@@ -72,3 +73,10 @@ def _read_install_stamp(sglang_dir: Path | None) -> tuple[tuple, list[str]]:
 def installed_version(dist: str) -> str | None:
     """The venv's version of ``dist`` (one of :data:`STAMPED`), None if not installed."""
     return dict((entry[0], entry[1]) for entry in install_stamp()).get(dist)
+
+
+def sglang_environment() -> list[tuple[str, str]]:
+    """The ``SGL*`` environment variables, sorted: SGLang reads them at import and in its
+    code paths (e.g. ``SGLANG_IS_IN_CI`` arms the relay's debug asserts), so runs under
+    other values are other runs (the frame cache's key) in other servers."""
+    return sorted((k, v) for k, v in os.environ.items() if k.startswith("SGL"))

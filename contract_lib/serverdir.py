@@ -27,6 +27,7 @@ import stat
 import sys
 from pathlib import Path
 
+from contract_lib.installs import sglang_environment
 from contract_lib.paths import PACKAGE_DIR, PROJECT_ROOT
 
 SERVER_DIR_ENV = "CONTRACT_LIB_SERVER_DIR"
@@ -81,10 +82,9 @@ def private_dir(directory: Path) -> Path:
 
 def server_key(sglang_dir) -> str:
     """The name of the server for ``sglang_dir`` (see the module docstring)."""
-    sglang_env = sorted((k, v) for k, v in os.environ.items() if k.startswith("SGL"))
     return hashlib.sha256(json.dumps(
         [sys.executable, str(PACKAGE_DIR), None if sglang_dir is None else str(sglang_dir),
-         sglang_env]).encode()).hexdigest()[:16]
+         sglang_environment()]).encode()).hexdigest()[:16]
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 import contract_lib
-from contract_lib import cache
+from contract_lib import cache, serverdir
 
 
 def _assert_same_frames(a, b):
@@ -72,6 +72,11 @@ def test_key_changes_with_everything_that_determines_a_run(monkeypatch, tmp_path
     assert cache.key(_spec()) != base
     monkeypatch.undo()
     assert cache.key(_spec()) == base
+    # an environment variable SGLang reads (its server is another one too)
+    server = serverdir.server_key(None)
+    monkeypatch.setenv("SGLANG_IS_IN_CI", "contract-lib-test")
+    assert cache.key(_spec()) != base and serverdir.server_key(None) != server
+    monkeypatch.undo()
     # the library's own source
     monkeypatch.setattr(cache, "_library_fingerprint", lambda: "edited")
     assert cache.key(_spec()) != base
