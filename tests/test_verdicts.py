@@ -76,6 +76,23 @@ def test_a_patch_that_rebinds_the_relay_reader_is_the_code_that_runs(capsys, loo
     assert "run crashed: RuntimeError: the patched relay reader ran" in capsys.readouterr().out
 
 
+def test_a_loop_that_survives_its_steps_errors_still_ends(capsys):
+    """The run's end is raised at a step boundary through the loop; a loop that logs and
+    survives every ``Exception`` of an iteration used to swallow it and never end."""
+    assert _check("--loop", "normal", "--workload", "single-decode",
+                  "--patch", "user_patches:survive_exceptions") == 0
+    assert "run finished" in capsys.readouterr().out
+
+
+def test_a_loop_that_survives_even_its_end_is_stopped_by_the_hang_check():
+    """``except BaseException`` swallows the end too: it is raised again at every later
+    boundary, recording nothing more, and the hang check stops the run."""
+    frames = contract_lib.run("single-decode", "normal", cache=False, hang_timeout=5,
+                              patch="user_patches:survive_everything")
+    assert frames.status == "timeout" and "no frame from the child" in frames.error["message"]
+    assert frames.steps["step"].is_unique and frames.requests["finished"].any()
+
+
 def test_max_steps_reached_exits_3(tmp_path, capsys):
     workload = contract_lib.load_workload("single-decode").to_dict()
     workload["max_steps"] = 4

@@ -119,3 +119,37 @@ def relay_reader_raises():
 
     scheduler_module.resolve_forward_inputs = resolve_forward_inputs
     scheduler_mixin.resolve_forward_inputs = resolve_forward_inputs
+
+
+def _surviving_normal_loop(survived: type) -> None:
+    """``event_loop_normal`` rewritten as a loop that logs and survives every error of
+    type ``survived`` its iterations raise (as production loops may)."""
+    import logging
+
+    log = logging.getLogger(__name__)
+
+    def event_loop_normal(self):
+        while True:
+            try:
+                self.ingest_requests()
+                plan = self.get_next_batch_to_run(running_batch=self.running_batch,
+                                                  last_batch=self.last_batch)
+                self.running_batch = plan.running_batch
+                batch = plan.batch_to_run
+                if batch:
+                    self.process_batch_result(batch, self.run_batch(batch))
+                else:
+                    self.on_idle()
+                self.last_batch = batch
+            except survived:
+                log.exception("the step failed; carrying on")
+
+    Scheduler.event_loop_normal = event_loop_normal
+
+
+def survive_exceptions():
+    _surviving_normal_loop(Exception)
+
+
+def survive_everything():
+    _surviving_normal_loop(BaseException)

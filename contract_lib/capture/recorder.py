@@ -19,7 +19,14 @@ from contract_lib.workloads import RequestSpec, Workload
 Emit = Callable[[tuple], None]
 
 
-class StopRun(Exception):
+class RunEnd(BaseException):
+    """Ends the run from a step boundary, through the loop. A ``BaseException``, as
+    ``KeyboardInterrupt`` is: a loop that survives its steps' errors (``except
+    Exception``, as a production loop may) must still stop; as an ``Exception`` it was
+    swallowed and such a run never ended."""
+
+
+class StopRun(RunEnd):
     """Raised at a step boundary once the workload is done (every request finished)."""
 
 
@@ -27,7 +34,7 @@ class OmniRequestError(RuntimeError):
     """sglang-omni put an error for a request into its outbox (a failed batch)."""
 
 
-class StepBudgetExceeded(Exception):
+class StepBudgetExceeded(RunEnd):
     """Raised at a step boundary past the workload's ``max_steps``."""
 
 
@@ -78,9 +85,14 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
         # Requests SGLang ended with an ``AbortReq`` output: rid -> its finished_reason.
         self.abort_outputs: dict[str, dict[str, Any]] = {}
         self.aborts_sent: set[str] = set()
+        self.ending: RunEnd | None = None  # raised at a step boundary: the run is over
     # -- step boundary ----------------------------------------------------------------------
 
     def on_step_boundary(self) -> None:
+        if self.ending is not None:
+            # The loop swallowed the run's end (``except BaseException``): end it again,
+            # recording nothing more, until the hang check stops a loop that never lets go.
+            raise type(self.ending)(*self.ending.args)
         self.step += 1
         if self.effects is not None:
             self.effects.active = False  # the capture's own reads and writes are not effects
@@ -90,11 +102,13 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
         if self.omni:
             self._raise_omni_errors()
         if self.done():
-            raise StopRun()
-        if self.step >= self.workload.max_steps:
-            raise StepBudgetExceeded(
+            self.ending = StopRun()
+        elif self.step >= self.workload.max_steps:
+            self.ending = StepBudgetExceeded(
                 f"workload {self.workload.name!r} did not finish within its step budget "
                 f"of {self.workload.max_steps} steps")
+        if self.ending is not None:
+            raise self.ending
         self.feed()
         if self.effects is not None:
             self.effects.step = self.step
