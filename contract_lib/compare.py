@@ -14,8 +14,9 @@ is the venv's SGLang, unpatched. :func:`compare` runs every (workload, loop) on 
 **fixed** it (violated on base, holds on head), **kept** it (same class of status), or
 **broke** it (not violated on base, violated on head); per run it says whether the
 emitted tokens are equal, each later turn's radix reuse, the KV pool, and the first
-step where the frames differ. With the real MLX runner the KV pool row (``damaged`` /
-``intact``, as ``status`` shows it) is judged like a clause: ``check`` fails on damage too.
+step where the frames differ. SGLang's own KV pool conservation row (``leak`` /
+``balanced``, shown when either side leaked) and, with the real MLX runner, the KV pool
+row (``damaged`` / ``intact``) are judged like clauses, as ``check`` fails on them too.
 
 Exit codes (:meth:`Comparison.outcome`; the first that applies, as
 :data:`contract_lib.verdict.PRECEDENCE` orders a command's runs):
@@ -77,9 +78,10 @@ class Change(ExitCode):
 # The order in which a comparison's changes decide its exit code.
 PRECEDENCE = (Change.INTERRUPTED, Change.USAGE, Change.BROKE, Change.NOT_FINISHED,
               Change.VACUOUS, Change.FIXED, Change.KEPT)
-# Cell statuses; ``damaged`` / ``intact``: the real runner's MLX KV pool row.
-_BAD = {VIOLATED, MASKED, SGLANG_WIDE, "damaged"}
-_CLEAN = {HOLDS, NOT_EXERCISED, "intact"}
+# Cell statuses; ``damaged`` / ``intact``: the real runner's MLX KV pool row; ``leak`` /
+# ``balanced``: SGLang's pool conservation row (shown when a side leaked).
+_BAD = {VIOLATED, MASKED, SGLANG_WIDE, "damaged", "leak"}
+_CLEAN = {HOLDS, NOT_EXERCISED, "intact", "balanced"}
 _FATES = {SETUP_ERROR: Change.USAGE, VACUOUS: Change.VACUOUS,
           "interrupted": Change.INTERRUPTED}
 
@@ -137,7 +139,7 @@ def classify(base: str, head: str) -> Change:
     if head in _BAD:
         return Change.KEPT if base in _BAD else Change.BROKE
     if base in _BAD:
-        return Change.FIXED if head in (HOLDS, "intact") else Change.VACUOUS
+        return Change.FIXED if head in (HOLDS, "intact", "balanced") else Change.VACUOUS
     return Change.KEPT
 
 
@@ -169,8 +171,11 @@ class Comparison:
     def clause_table(self) -> pd.DataFrame:
         """One row per (clause, loop): each side's worst status over the workloads (as
         ``status`` shows it) and the change."""
-        tables = [Status(self.reports(side), kv_damaged=self.kv_damage(side)).table()
-                  for side in (0, 1)]
+        statuses = [Status(self.reports(side), kv_damaged=self.kv_damage(side))
+                    for side in (0, 1)]
+        pool_row = any(status.leaks() for status in statuses)  # on both sides, or neither
+        tables = [dataclasses.replace(status, pool_row=pool_row).table()
+                  for status in statuses]
         rows = []
         for clause in tables[0].index:
             for loop in tables[0].columns:

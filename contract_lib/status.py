@@ -11,7 +11,8 @@ import dataclasses
 import pandas as pd
 
 from contract_lib.contract import (CLAUSES, EXTENDED_FIELDS, HOLDS, MASKED, NOT_EXERCISED,
-                                   VIOLATED, Report, check, origin, sglang_finding)
+                                   POOL_ROW, VIOLATED, Report, check, origin,
+                                   sglang_finding)
 from contract_lib import loops as registry
 from contract_lib.harness import frames_or_raise, run_many
 from contract_lib.patches import PatchArg, patch_spec
@@ -65,8 +66,9 @@ def run_outcome(report: Report, reference: bool) -> Outcome:
         return outcome
     if report.meta["status"] != "finished":
         return Outcome.NOT_FINISHED
-    if reference and any(r.status in (VIOLATED, MASKED) and not sglang_finding(n, r)
-                         for n, r in report.clauses.items()):
+    if reference and (not report.pool.empty
+                      or any(r.status in (VIOLATED, MASKED) and not sglang_finding(n, r)
+                             for n, r in report.clauses.items())):
         return Outcome.VIOLATED  # a catalogued SGLang-wide bug is reported, not failed
     return Outcome.VACUOUS if report.vacuity() else Outcome.PASS
 
@@ -80,6 +82,13 @@ class Status:
     runner: str = "model-free"
     # Real runner only: (workload, loop) -> whether the run damaged the MLX KV pool.
     kv_damaged: dict[tuple[str, str], bool] = dataclasses.field(default_factory=dict)
+    # Show SGLang's pool conservation row even when no run leaked (a comparison's other
+    # side leaked); it is shown whenever one did.
+    pool_row: bool = False
+
+    def leaks(self) -> bool:
+        """Whether any run's frames broke SGLang's KV pool conservation law."""
+        return any(not r.pool.empty for r in self.reports.values())
 
     def per_run(self) -> pd.DataFrame:
         """One row per (workload, loop, clause) with that run's status; none for a run
@@ -118,6 +127,14 @@ class Status:
                 if worst == VIOLATED and cell.loc[cell["status"] == worst, "finding"].notna().all():
                     worst = SGLANG_WIDE
                 row[loop] = f"{worst} ({count}/{len(cell)})"
+            rows.append(row)
+        if self.pool_row or self.leaks():
+            row = {"clause": f"- {POOL_ROW}"}
+            for loop in columns:
+                seen = [not r.pool.empty for (_, l), r in self.reports.items()
+                        if l == loop and r.meta.get("steps")]
+                row[loop] = (f"leak ({sum(seen)}/{len(seen)})" if any(seen)
+                             else f"balanced ({len(seen)}/{len(seen)})")
             rows.append(row)
         if self.kv_damaged:
             row = {"clause": KV_POOL_ROW}
@@ -175,6 +192,9 @@ class Status:
         lines.append("")
         lines.append("(worst status over the workloads, and in how many of them it shows)")
         lines += _findings_note(table)
+        if self.pool_row or self.leaks():
+            lines.append("(KV pool conservation: leak = available + evictable + protected + "
+                         "uncached != total at a step boundary, SGLang's own law)")
         if self.kv_damaged:
             lines.append("(KV pool: damaged = KV written through slot 0 or into another live "
                          "request's slots, or a radix-matched slot left zero or wrong)")

@@ -1,17 +1,19 @@
 """One verdict per run, and the exit code every command derives from it.
 
 A green verdict is earned: the loop that was asked for ran to the end, at least one clause
-was exercised, every clause held, and SGLang aborted no request the workload did not
-declare. Every other outcome has its own exit code, so CI can tell a finding from a
+was exercised, every clause held, SGLang's KV pool conservation law balanced at every step
+boundary, and SGLang aborted no request the workload did not declare. Every other outcome has its own exit code, so CI can tell a finding from a
 broken run:
 
 ====  ================  ============================================================
 code  outcome           when
 ====  ================  ============================================================
-0     ``pass``          the requested loop ran to the end, no clause violated, at least
-                        one clause exercised, no unexpected aborted request
-1     ``violated``      a clause is violated (or, ``--runner real``, the MLX KV pool was
-                        damaged); wins over 3 and 4: the frames taken are evidence
+0     ``pass``          the requested loop ran to the end, no clause violated nor pool
+                        leak, at least one clause exercised, no unexpected aborted request
+1     ``violated``      a clause is violated, SGLang's own KV pool conservation law
+                        (``InvariantChecker``) did not balance at a step boundary (a
+                        leak), or, ``--runner real``, the MLX KV pool was damaged; wins
+                        over 3 and 4: the frames taken are evidence
 2     ``usage``         usage or set-up error: unknown names, a bad patch, a run that
                         failed before its loop, the loop SGLang would enter is not the
                         loop asked for
@@ -133,12 +135,17 @@ def verdict(report: Any, kv_damaged: bool = False) -> Verdict:
     mismatch = loop_mismatch(meta)
     if mismatch:
         return Verdict(Outcome.USAGE, mismatch)
-    violated = [f"clause {n}" for n, r in report.clauses.items() if r.violations is not None
-                and not r.violations.empty]
-    if violated or kv_damaged:
-        what = ", ".join(violated + (["the MLX KV pool was damaged"] if kv_damaged else []))
+    clauses = [f"clause {n}" for n, r in report.clauses.items()
+               if r.violations is not None and not r.violations.empty]
+    found = [f"{', '.join(clauses)} violated"] if clauses else []
+    if not report.pool.empty:
+        found.append("SGLang's KV pool conservation law did not balance (first at step "
+                     f"{report.pool['step'].iloc[0]})")
+    if kv_damaged:
+        found.append("the MLX KV pool was damaged")
+    if found:
         suffix = "" if status == "finished" else f" (and the run {status})"
-        return Verdict(Outcome.VIOLATED, f"{what} violated{suffix}")
+        return Verdict(Outcome.VIOLATED, f"{'; '.join(found)}{suffix}")
     if status != "finished":
         return Verdict(Outcome.NOT_FINISHED,
                        f"the run {status} after {meta.get('steps')} steps: {failure}; no "

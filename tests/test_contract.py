@@ -120,10 +120,18 @@ def test_clause5_masked_and_plain_violation(good):
 
 
 @pytest.mark.fast
-def test_pool_leak_is_reported(good):
+def test_a_pool_leak_fails_the_run(good):
+    """SGLang's own conservation law not balancing is a finding, not a footnote: the run
+    is violated (it passed with the leak printed in its table) and ``assert_contract``
+    raises naming the law and the step."""
     good.steps.loc[4, "pool_leak"] = True
     report = check(good)
-    assert report.ok and list(report.pool.step) == [4]
+    assert list(report.pool.step) == [4] and not report.ok
+    assert report.verdict().reason.startswith(
+        "SGLang's KV pool conservation law did not balance (first at step 4)")
+    with pytest.raises(ContractViolation, match=r"^KV pool conservation \(SGLang "
+                                                r"InvariantChecker\) on \w+: first leak at step 4"):
+        assert_contract(good)
 
 
 # -- the torch loops are the reference ------------------------------------------------------

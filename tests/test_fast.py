@@ -57,6 +57,26 @@ def test_the_extensions_find_the_sglang_wide_clock_bug_on_the_torch_loops():
     assert status.reference_violations().empty
 
 
+def test_a_pool_leak_on_a_reference_loop_fails_status_and_shows_in_compare():
+    """A leak shows as a row of the status table and fails ``status`` on a torch loop; in
+    a comparison the row is on both sides, judged like a clause."""
+    from contract_lib.compare import classify
+
+    frames = fixture("single-decode.overlap")
+    frames.steps.loc[len(frames.steps) - 1, "pool_leak"] = True
+    leaked = check(frames, "rfc")
+    clean = check(fixture("single-decode.normal"), "rfc")
+    status = Status({("single-decode", "overlap"): leaked,
+                     ("single-decode", "normal"): clean})
+    row = "- KV pool conservation (SGLang InvariantChecker)"
+    assert status.table().loc[row].to_dict() == {"normal": "balanced (1/1)",
+                                                 "overlap": "leak (1/1)"}
+    assert status.outcome() == Outcome.VIOLATED
+    assert row not in Status({("single-decode", "normal"): clean}).table().index
+    assert classify("balanced", "leak").label == "broke"
+    assert classify("leak", "balanced").label == "fixed"
+
+
 def test_assert_contract_names_the_lowest_violated_clause():
     with pytest.raises(ContractViolation, match=r"^clause 4 \(relays published"):
         assert_contract(fixture("two-turn.overlap.skip-relay-publish"), "rfc")

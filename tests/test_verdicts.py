@@ -93,6 +93,17 @@ def test_a_loop_that_survives_even_its_end_is_stopped_by_the_hang_check():
     assert frames.steps["step"].is_unique and frames.requests["finished"].any()
 
 
+def test_a_leak_only_the_frames_see_fails_the_check(capsys):
+    """The last request's KV is never released: SGLang's idle self-check would raise, but
+    the workload is done first; the frames' conservation terms leak at the last step, and
+    that is a finding (the run passed with the leak printed in its table)."""
+    assert _check("--loop", "overlap", "--workload", "single-decode",
+                  "--patch", "user_patches:leak_on_finish") == 1
+    out = capsys.readouterr().out
+    assert "- KV pool conservation (SGLang InvariantChecker) leak" in out
+    assert "KV pool: first leak at step 25" in out
+
+
 def test_max_steps_reached_exits_3(tmp_path, capsys):
     workload = contract_lib.load_workload("single-decode").to_dict()
     workload["max_steps"] = 4

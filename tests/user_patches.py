@@ -153,3 +153,12 @@ def survive_exceptions():
 
 def survive_everything():
     _surviving_normal_loop(BaseException)
+
+
+def leak_on_finish():
+    """A finished request's KV row is never released (the result processor's call of
+    ``release_kv_cache`` does nothing): the last request's leak is past SGLang's own idle
+    check, which the run's end comes before."""
+    from sglang.srt.managers.scheduler_components import batch_result_processor
+
+    batch_result_processor.release_kv_cache = lambda req, tree_cache, *, checkpoint: None

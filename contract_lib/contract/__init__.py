@@ -27,15 +27,15 @@ from contract_lib.contract.registry import (CLAUSE_OF_FIELD, CLAUSE_SETS, CLAUSE
                                             REGISTRY, RFC, Clause, clause, clause_checks,
                                             extend, origin, register, sglang_finding,
                                             unregister)
-from contract_lib.contract.report import (ABORTED_COLUMNS, ContractViolation, Report,
-                                          RunDidNotFinish, UntrustedVerdict, VacuousRun,
+from contract_lib.contract.report import (ABORTED_COLUMNS, POOL_ROW, ContractViolation,
+                                          Report, RunDidNotFinish, UntrustedVerdict, VacuousRun,
                                           aborted_requests, assert_contract, check,
                                           check_pool, violation_message)
 
 __all__ = [
     "ABORTED_COLUMNS", "BAD_SLOT_STATES", "CLAUSE_OF_FIELD", "CLAUSE_SETS", "CLAUSES",
     "EXTENDED_FIELDS", "EXTENSION_CLAUSES", "EXTENSIONS", "HOLDS", "MASKED",
-    "NOT_EXERCISED", "REGISTRY", "RFC", "SLOT_STATES", "VIOLATED", "VIOLATION_COLUMNS",
+    "NOT_EXERCISED", "POOL_ROW", "REGISTRY", "RFC", "SLOT_STATES", "VIOLATED", "VIOLATION_COLUMNS",
     "Clause", "ClauseResult", "ContractViolation", "NotExercised", "Report",
     "RunDidNotFinish", "UntrustedVerdict", "VacuousRun", "aborted_requests",
     "assert_contract", "check", "check_pool", "clause", "clause_checks", "extend",

@@ -60,8 +60,9 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        """True only for a pass: the requested loop ran to the end, no clause violated,
-        at least one exercised, no unexpected aborted request (see :meth:`verdict`)."""
+        """True only for a pass: the requested loop ran to the end, no clause violated
+        nor pool leak, at least one exercised, no unexpected aborted request (see
+        :meth:`verdict`)."""
         return self.verdict().outcome == Outcome.PASS
 
     def verdict(self, kv_damaged: bool = False) -> Verdict:
@@ -120,7 +121,7 @@ class Report:
                 label += f" (+ {', '.join(EXTENDED_FIELDS[number])})"
             lines.append(f"  {label:<48} {result.status:<16} {len(result.violations)}")
         leaks = len(self.pool)
-        lines.append(f"  {'- KV pool conservation (SGLang InvariantChecker)':<48} "
+        lines.append(f"  {'- ' + POOL_ROW:<48} "
                      f"{'leak' if leaks else 'balanced':<16} {leaks}")
         for number, result in self.clauses.items():
             first = result.first()
@@ -164,6 +165,9 @@ def violation_message(v: dict[str, Any]) -> str:
 
 
 # -- pool conservation ---------------------------------------------------------------------
+
+# SGLang's own KV pool conservation law, judged beside the clauses (a leak fails a run).
+POOL_ROW = "KV pool conservation (SGLang InvariantChecker)"
 
 
 def check_pool(frames: Frames) -> pd.DataFrame:
@@ -229,7 +233,8 @@ def assert_contract(frames: Frames, clauses: str = "all") -> Report:
     """Return the report of a run that passes, else raise.
 
     :class:`ContractViolation` for the lowest violated clause (the message starts
-    ``clause N (name): field F``, for pytest), even from a run that did not finish;
+    ``clause N (name): field F``, for pytest), even from a run that did not finish, else
+    for SGLang's pool conservation law not balancing (``KV pool conservation ...``);
     otherwise :class:`RunDidNotFinish` (crashed, died, timeout, set-up failure, another
     loop) or :class:`VacuousRun` (no clause exercised, an unexpected aborted request)."""
     report = check(frames, clauses)
@@ -237,6 +242,10 @@ def assert_contract(frames: Frames, clauses: str = "all") -> Report:
         first = result.first()
         if first is not None:
             raise ContractViolation(violation_message(first))
+    if not report.pool.empty:
+        first = report.pool.iloc[0]
+        raise ContractViolation(f"{POOL_ROW} on {first['loop']}: first leak at step "
+                                f"{first['step']}: {first['explanation']}")
     outcome = report.verdict()
     if outcome.outcome == Outcome.VACUOUS:
         raise VacuousRun(outcome, report.meta)
