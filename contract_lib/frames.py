@@ -21,7 +21,10 @@ Tables (pandas DataFrames; the column lists below are the schema):
   it (by ``ReqToTokenPool.write``: the allocator's slots and its own radix-matched
   prefix), False when it is left over from the row's previous holder or never written.
 - ``relay``: every read of ``future_map.output_tokens_buf`` by ``resolve_forward_inputs``
-  and every write to it. The buffer is poisoned with -1 at construction.
+  (``value``: what the row held) and every stash into it (``value``: what the row holds
+  after the stash, read back). The buffer is poisoned with -1 at construction. A read is
+  ``published_for_rid`` when the row's last stash was by this request's holder, of its
+  latest token, and the row still holds it.
 - ``outputs``: the emitted token ids per request, at the end of the run.
 - ``effects`` (audit runs only): per step, every attribute written on the contract's
   objects, with the SGLang code location that wrote it and how often

@@ -230,6 +230,18 @@ def test_skip_relay_publish_breaks_clause_4_on_torch(run_cached):
     assert (first["field"], first["actual"]) == ("output_tokens_buf", "-1 (never written)")
 
 
+def test_a_relay_overwritten_after_its_publish_breaks_clause_4(run_cached):
+    """The relay rows are recorded as they hold after the stash, not as the stash was
+    given them, and a read must see what was last published: a stash that publishes,
+    then overwrites the rows, passed as published."""
+    report = check(run_cached("two-turn", "overlap",
+                              "user_patches:relay_overwritten_after_stash"), "rfc")
+    first = report.clauses[4].first()
+    assert report.clauses[4].status == VIOLATED
+    assert (first["field"], first["step"], first["rid"], first["actual"]) == (
+        "output_tokens_buf", 1, "a", "7 (stale)")
+
+
 def test_user_patch_is_reported_against_its_clause_and_field(run_cached):
     report = check(run_cached("single-decode", "normal", "user_patches:stale_forward_iter"))
     assert _statuses(report)[3] == VIOLATED

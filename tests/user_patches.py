@@ -162,3 +162,19 @@ def leak_on_finish():
     from sglang.srt.managers.scheduler_components import batch_result_processor
 
     batch_result_processor.release_kv_cache = lambda req, tree_cache, *, checkpoint: None
+
+
+def relay_overwritten_after_stash():
+    """``FutureMap.stash`` publishes, then overwrites the rows with token 7 (what a read
+    then returns is not the token the forward made)."""
+    from sglang.srt.managers.overlap_utils import FutureMap
+
+    real = FutureMap.stash
+
+    def stash(self, future_indices, payload, *args, **kwargs):
+        out = real(self, future_indices, payload, *args, **kwargs)
+        if future_indices.shape[0]:
+            self.output_tokens_buf[future_indices] = 7
+        return out
+
+    FutureMap.stash = stash

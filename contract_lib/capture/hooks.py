@@ -120,12 +120,12 @@ class HookInstaller:
 
         def stash(indices, payload, *args, **kwargs):
             out = real_stash(indices, payload, *args, **kwargs)
-            self.on_relay_write(indices, payload.bonus_tokens, "stash")
+            self.on_relay_write(indices, "stash")
             return out
 
         def stash_bonus_tokens(indices, bonus_tokens, *args, **kwargs):
             out = real_stash_bonus(indices, bonus_tokens, *args, **kwargs)
-            self.on_relay_write(indices, bonus_tokens, "stash_bonus_tokens")
+            self.on_relay_write(indices, "stash_bonus_tokens")
             return out
 
         future_map.stash = stash

@@ -96,7 +96,9 @@ class LaunchRecording:
         for row, rid, value in zip(rows, rids, values):
             written = self.relay_written.get(row)
             last_value, last_rid = (written[0], written[1]) if written else (None, None)
-            published = (written is not None and last_rid == rid
+            # Published for this request: its holder's last write, of its latest token,
+            # and still what the row holds (nothing overwrote it since).
+            published = (written is not None and last_rid == rid and value == last_value
                          and last_value == self.latest_token.get(rid))
             taken.append(("relay", {
                 "event": "read", "step": self.step, "launch": self.launch_ct + 1,
@@ -105,9 +107,14 @@ class LaunchRecording:
             }))
         self._emit_rows(taken)
 
-    def on_relay_write(self, indices, tokens, kind: str) -> None:
+    def on_relay_write(self, indices, kind: str) -> None:
+        """After a stash: what the relay rows ``indices`` hold now (read back, not what
+        the stash was given: a stash that wrote other values or rows is seen as it is)."""
+        rows = tolist(indices)
+        held = (self.relay_view.of(self.s.future_map.output_tokens_buf)[rows].tolist()
+                if rows else [])
         taken = []
-        for row, value in zip(tolist(indices), tolist(tokens)):
+        for row, value in zip(rows, held):
             rid = self._row_owner(row)
             self.relay_written[row] = (int(value), rid, self.launch_ct)
             taken.append(("relay", {

@@ -1,8 +1,9 @@
 """Clause 4, relays published or provably unread (field ``output_tokens_buf``).
 
 Every read of ``future_map.output_tokens_buf`` by ``resolve_forward_inputs`` sees the
-value the loop last published to that row for that request's latest token. A loop that
-never reads the relay satisfies the clause (provably unread).
+value the loop last published to that row for that request's latest token (published: as
+the row held it after the stash, and unchanged since). A loop that never reads the relay
+satisfies the clause (provably unread).
 """
 
 from __future__ import annotations
