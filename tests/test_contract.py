@@ -242,6 +242,18 @@ def test_a_relay_overwritten_after_its_publish_breaks_clause_4(run_cached):
         "output_tokens_buf", 1, "a", "7 (stale)")
 
 
+@pytest.mark.parametrize("patch, expected", [
+    ("frozen_launch_ts", "> "), ("wall_clock_launch_ts", "(time.monotonic during the run)")])
+def test_a_launch_ts_that_does_not_tick_on_the_loops_clock_breaks_clause_3(
+        run_cached, patch, expected):
+    """launch_ts must increase from launch to launch and be a stamp of the loop's clock
+    taken during the run; a frozen or a wall-clock stamp passed as merely set."""
+    report = check(run_cached("finish-mid-chain", "normal", f"user_patches:{patch}"), "rfc")
+    first = report.clauses[3].first()
+    assert report.clauses[3].status == VIOLATED and first["field"] == "launch_ts"
+    assert expected in first["expected"]
+
+
 def test_user_patch_is_reported_against_its_clause_and_field(run_cached):
     report = check(run_cached("single-decode", "normal", "user_patches:stale_forward_iter"))
     assert _statuses(report)[3] == VIOLATED

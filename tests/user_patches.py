@@ -178,3 +178,22 @@ def relay_overwritten_after_stash():
         return out
 
     FutureMap.stash = stash
+
+
+def _restamp_launch_ts(stamp: str, name: str) -> None:
+    """``run_batch`` stamps ``launch_ts`` with ``stamp`` instead of ``time.monotonic()``."""
+    from contract_lib.patches import patch_source
+
+    patch_source(Scheduler, "run_batch", [
+        ("batch.launch_ts = time.monotonic()\n", f"batch.launch_ts = {stamp}\n")], name)
+
+
+def frozen_launch_ts():
+    """Every launch carries the first launch's stamp."""
+    _restamp_launch_ts("self.__dict__.setdefault('_first_ts', time.monotonic())",
+                       "frozen-launch-ts")
+
+
+def wall_clock_launch_ts():
+    """The launch is stamped from the wall clock, not the loop's monotonic clock."""
+    _restamp_launch_ts("time.time()", "wall-clock-launch-ts")

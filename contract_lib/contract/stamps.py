@@ -2,7 +2,9 @@
 
 Every launch advances ``forward_ct`` by exactly one; the batch ``process_batch_result``
 receives for it carries ``forward_iter == forward_ct`` of that launch and a set
-``launch_ts``, non-decreasing over launches.
+``launch_ts``: increasing over launches, and on the loop's clock (``time.monotonic()``,
+as SGLang stamps it and the frames' ``wall_time`` is taken): after the run's first step
+boundary, before the boundary that follows its processing.
 """
 
 from __future__ import annotations
@@ -36,7 +38,11 @@ def check_stamps(frames: Frames) -> ClauseResult:
     ts = pd.to_numeric(processed["processed_launch_ts"], errors="coerce")
     missing = processed[ts.isna()]
     previous = ts.ffill().shift(1)
-    backwards = processed[ts < previous]
+    backwards = processed[ts <= previous]
+    clock = frames.steps.set_index("step")["wall_time"]
+    earliest = float(clock.iloc[0])
+    latest = (processed["processed_step"] + 1).map(clock).fillna(float("inf"))
+    off_clock = processed[(ts < earliest) | (ts > latest)]
     parts = []  # a table per kind of violation found (each ~1 ms of pandas to build)
     if len(bad_ct):
         parts.append(pd.DataFrame({
@@ -62,9 +68,20 @@ def check_stamps(frames: Frames) -> ClauseResult:
         parts.append(pd.DataFrame({
             "field": "launch_ts", "step": backwards["processed_step"],
             "launch": backwards["launch"],
-            "expected": [f">= {value:.6f}" for value in previous[backwards.index]],
+            "expected": [f"> {value:.6f}" for value in previous[backwards.index]],
             "actual": [f"{value:.6f}" for value in ts[backwards.index]],
-            "explanation": "launch_ts went backwards between launches"}))
+            "explanation": "launch_ts did not advance between launches; "
+                           "_record_step_counters reads the time between them"}))
+    if len(off_clock):
+        parts.append(pd.DataFrame({
+            "field": "launch_ts", "step": off_clock["processed_step"],
+            "launch": off_clock["launch"],
+            "expected": [f"between {earliest:.6f} and {high:.6f} (time.monotonic during "
+                         "the run)" for high in latest[off_clock.index]],
+            "actual": [f"{value:.6f}" for value in ts[off_clock.index]],
+            "explanation": "launch_ts is not a stamp of the loop's clock taken during the "
+                           "run; _record_step_counters subtracts time.monotonic() stamps "
+                           "from it"}))
     rows = pd.concat(parts or [pd.DataFrame(columns=["step"])])
     rows["step"] = rows["step"].astype("int64")
     note = f"{len(launches)} launches checked"
