@@ -20,6 +20,13 @@ def _nothing_launched(frames: Frames) -> str | None:
     return "no forward was launched" if frames.launches.empty else None
 
 
+def _rows(field: str, bad: pd.DataFrame, step: str, expected, actual,
+          explanation: str) -> pd.DataFrame:
+    """The violation rows of one kind: ``bad``'s launches, at their column ``step``."""
+    return pd.DataFrame({"field": field, "step": bad[step], "launch": bad["launch"],
+                         "expected": expected, "actual": actual, "explanation": explanation})
+
+
 @clause(3, "step stamped", fields=("forward_ct", "forward_iter", "launch_ts"),
         audit_fields=("forward_ct", "forward_iter", "launch_ts", "after_idle_gap",
                       "_sched_idled"),
@@ -45,43 +52,37 @@ def check_stamps(frames: Frames) -> ClauseResult:
     off_clock = processed[(ts < earliest) | (ts > latest)]
     parts = []  # a table per kind of violation found (each ~1 ms of pandas to build)
     if len(bad_ct):
-        parts.append(pd.DataFrame({
-            "field": "forward_ct", "step": bad_ct["step"], "launch": bad_ct["launch"],
-            "expected": expected_ct[bad_ct.index].astype(object),
-            "actual": ct[bad_ct.index].astype(object),
-            "explanation": "a launch must advance forward_ct by one; the watchdog and the "
-                           "profiler count launches by it"}))
+        parts.append(_rows(
+            "forward_ct", bad_ct, "step", expected_ct[bad_ct.index].astype(object),
+            ct[bad_ct.index].astype(object),
+            "a launch must advance forward_ct by one; the watchdog and the profiler count "
+            "launches by it"))
     if len(bad_iter):
-        parts.append(pd.DataFrame({
-            "field": "forward_iter", "step": bad_iter["processed_step"],
-            "launch": bad_iter["launch"], "expected": bad_iter["forward_ct"].astype(object),
-            "actual": bad_iter["processed_forward_iter"].astype(object),
-            "explanation": "process_batch_result received a batch whose forward_iter is "
-                           "not its launch's forward_ct"}))
+        parts.append(_rows(
+            "forward_iter", bad_iter, "processed_step", bad_iter["forward_ct"].astype(object),
+            bad_iter["processed_forward_iter"].astype(object),
+            "process_batch_result received a batch whose forward_iter is not its launch's "
+            "forward_ct"))
     if len(missing):
-        parts.append(pd.DataFrame({
-            "field": "launch_ts", "step": missing["processed_step"],
-            "launch": missing["launch"], "expected": "a monotonic timestamp", "actual": None,
-            "explanation": "process_batch_result received a batch with no launch_ts; "
-                           "_record_step_counters subtracts it"}))
+        parts.append(_rows(
+            "launch_ts", missing, "processed_step", "a monotonic timestamp", None,
+            "process_batch_result received a batch with no launch_ts; "
+            "_record_step_counters subtracts it"))
     if len(backwards):
-        parts.append(pd.DataFrame({
-            "field": "launch_ts", "step": backwards["processed_step"],
-            "launch": backwards["launch"],
-            "expected": [f"> {value:.6f}" for value in previous[backwards.index]],
-            "actual": [f"{value:.6f}" for value in ts[backwards.index]],
-            "explanation": "launch_ts did not advance between launches; "
-                           "_record_step_counters reads the time between them"}))
+        parts.append(_rows(
+            "launch_ts", backwards, "processed_step",
+            [f"> {value:.6f}" for value in previous[backwards.index]],
+            [f"{value:.6f}" for value in ts[backwards.index]],
+            "launch_ts did not advance between launches; _record_step_counters reads the "
+            "time between them"))
     if len(off_clock):
-        parts.append(pd.DataFrame({
-            "field": "launch_ts", "step": off_clock["processed_step"],
-            "launch": off_clock["launch"],
-            "expected": [f"between {earliest:.6f} and {high:.6f} (time.monotonic during "
-                         "the run)" for high in latest[off_clock.index]],
-            "actual": [f"{value:.6f}" for value in ts[off_clock.index]],
-            "explanation": "launch_ts is not a stamp of the loop's clock taken during the "
-                           "run; _record_step_counters subtracts time.monotonic() stamps "
-                           "from it"}))
+        parts.append(_rows(
+            "launch_ts", off_clock, "processed_step",
+            [f"between {earliest:.6f} and {high:.6f} (time.monotonic during the run)"
+             for high in latest[off_clock.index]],
+            [f"{value:.6f}" for value in ts[off_clock.index]],
+            "launch_ts is not a stamp of the loop's clock taken during the run; "
+            "_record_step_counters subtracts time.monotonic() stamps from it"))
     rows = pd.concat(parts or [pd.DataFrame(columns=["step"])])
     rows["step"] = rows["step"].astype("int64")
     note = f"{len(launches)} launches checked"
