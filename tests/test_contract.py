@@ -254,6 +254,17 @@ def test_a_launch_ts_that_does_not_tick_on_the_loops_clock_breaks_clause_3(
     assert expected in first["expected"]
 
 
+def test_in_flight_work_kept_outside_the_queue_is_still_in_flight(run_cached):
+    """In-flight work is also read from the launches (made earlier, processed at this
+    step or later): a loop that keeps it outside ``result_queue`` was 'not exercised'."""
+    report = check(run_cached("two-turn", "overlap", "user_patches:in_flight_elsewhere"),
+                   "rfc")
+    first = report.clauses[5].first()
+    assert report.clauses[5].status == MASKED and first["step"] == 1
+    assert first["actual"] == ("idle with 0 job(s) queued and 1 launch(es) in flight "
+                               "outside result_queue")
+
+
 def test_user_patch_is_reported_against_its_clause_and_field(run_cached):
     report = check(run_cached("single-decode", "normal", "user_patches:stale_forward_iter"))
     assert _statuses(report)[3] == VIOLATED

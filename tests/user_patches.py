@@ -197,3 +197,14 @@ def frozen_launch_ts():
 def wall_clock_launch_ts():
     """The launch is stamped from the wall clock, not the loop's monotonic clock."""
     _restamp_launch_ts("time.time()", "wall-clock-launch-ts")
+
+
+def in_flight_elsewhere():
+    """The overlap loop keeps its launched, unprocessed batches in a queue of its own, not
+    in ``result_queue`` (which ``is_fully_idle``'s in-flight term reads)."""
+    from contract_lib.patches import patch_source
+
+    patch_source(Scheduler, "event_loop_overlap", [
+        ("self.result_queue: Deque[", "self._held_results: Deque["),
+        ("self.result_queue.popleft()", "self._held_results.popleft()"),
+        ("self.result_queue.append(", "self._held_results.append(")], "in-flight-elsewhere")

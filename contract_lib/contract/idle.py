@@ -5,6 +5,11 @@ Whenever an overlap loop holds in-flight work, ``is_fully_idle`` evaluated with 
 other term masked to idle (running batch empty, last batch, chunked request and waiting
 queue none) says "not idle". If the masked probe says idle while the real predicate said
 busy, the answer was right only by accident: ``violated-masked``.
+
+In-flight work at a step boundary is what the loop's in-flight term holds
+(``result_queue_len``) or a launch made at an earlier step and processed at this one or
+later (from the ``launches`` table): a loop that keeps its in-flight work somewhere else
+than SGLang's queue still holds it.
 """
 
 from __future__ import annotations
@@ -21,14 +26,29 @@ def _overlap(steps: pd.DataFrame) -> pd.Series:
     return steps["enable_overlap"].astype(bool) | steps["enable_overlap_mlx"].astype(bool)
 
 
-def _in_flight(steps: pd.DataFrame) -> pd.DataFrame:
-    return steps[_overlap(steps) & (steps["result_queue_len"] > 0)]
+def _launched_in_flight(frames: Frames) -> pd.Series:
+    """Per step: launches made at an earlier step and processed at this step or later (a
+    launch never processed, e.g. one dropped unprocessed, is not counted)."""
+    launches = frames.launches[frames.launches["processed_step"].notna()]
+    made = launches["step"].to_numpy()
+    processed = launches["processed_step"].to_numpy()
+    steps = frames.steps["step"].to_numpy()
+    counts = ((made[None, :] < steps[:, None])
+              & (steps[:, None] <= processed[None, :])).sum(axis=1)
+    return pd.Series(counts, index=frames.steps.index)
+
+
+def _in_flight(frames: Frames) -> pd.DataFrame:
+    """The overlap steps holding in-flight work, with ``launched``: launches in flight."""
+    steps = frames.steps.assign(launched=_launched_in_flight(frames))
+    busy = (steps["result_queue_len"] > 0) | (steps["launched"] > 0)
+    return steps[_overlap(steps) & busy]
 
 
 def _no_in_flight_work(frames: Frames) -> str | None:
     if not _overlap(frames.steps).any():
         return "not an overlap loop: no in-flight work"
-    if _in_flight(frames.steps).empty:
+    if _in_flight(frames).empty:
         return "no step held in-flight work"
     return None
 
@@ -40,14 +60,17 @@ def _no_in_flight_work(frames: Frames) -> str | None:
         unexercised=_no_in_flight_work)
 def check_idle_predicate(frames: Frames) -> ClauseResult:
     loop = frames.loop
-    in_flight = _in_flight(frames.steps)
+    in_flight = _in_flight(frames)
     bad = in_flight[in_flight["idle_probe"].astype(bool)]
     masked = ~bad["is_fully_idle"].astype(bool)
     queue = loops.known(loop).in_flight
+    elsewhere = pd.Series("", index=bad.index).where(
+        bad["launched"] <= bad["result_queue_len"],
+        " and " + ints(bad["launched"]) + f" launch(es) in flight outside {queue}")
     rows = pd.DataFrame({
         "field": queue, "step": bad["step"].astype("int64"),
         "expected": "not idle (in-flight term)",
-        "actual": "idle with " + ints(bad["result_queue_len"]) + " job(s) queued",
+        "actual": "idle with " + ints(bad["result_queue_len"]) + " job(s) queued" + elsewhere,
         "explanation": pd.Series(
             "the predicate reported idle while work was in flight", index=bad.index).where(
             ~masked, f"the in-flight term ignores this loop's {queue}; the real "
