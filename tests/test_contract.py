@@ -265,6 +265,18 @@ def test_in_flight_work_kept_outside_the_queue_is_still_in_flight(run_cached):
                                "outside result_queue")
 
 
+def test_a_decode_that_does_not_advance_its_counters_breaks_clause_2(run_cached):
+    """On the torch loops a decode lane's computed positions are counted (one more than
+    the request had), not read off the batch's ``seq_lens``: a skipped
+    ``prepare_for_decode`` passed, the reference being the counter itself."""
+    report = check(run_cached("finish-mid-chain", "normal",
+                              "user_patches:skip_some_decode_prepares"), "rfc")
+    first = report.clauses[2].first()
+    assert report.clauses[2].status == VIOLATED
+    assert (first["field"], first["step"], first["rid"], first["expected"],
+            first["actual"]) == ("seq_lens", 4, "a", 13, 12)
+
+
 def test_user_patch_is_reported_against_its_clause_and_field(run_cached):
     report = check(run_cached("single-decode", "normal", "user_patches:stale_forward_iter"))
     assert _statuses(report)[3] == VIOLATED

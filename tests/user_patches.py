@@ -208,3 +208,20 @@ def in_flight_elsewhere():
         ("self.result_queue: Deque[", "self._held_results: Deque["),
         ("self.result_queue.popleft()", "self._held_results.popleft()"),
         ("self.result_queue.append(", "self._held_results.append(")], "in-flight-elsewhere")
+
+
+def skip_some_decode_prepares():
+    """Every third ``prepare_for_decode`` of a decode batch does nothing: the batch decodes
+    again at the same position, its counters not advanced (the forward still runs)."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    real = ScheduleBatch.prepare_for_decode
+    calls = [0]
+
+    def prepare_for_decode(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] % 3 == 0 and self.forward_mode.is_decode():
+            return None
+        return real(self, *args, **kwargs)
+
+    ScheduleBatch.prepare_for_decode = prepare_for_decode

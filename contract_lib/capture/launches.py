@@ -28,10 +28,17 @@ class LaunchRecording:
         if not self.capture:
             return
         rids = [req.rid for req in batch.reqs]
-        for rid, seq_len, token in zip(rids, batch.seq_lens.tolist(), tokens):
-            self.kv_computed[rid] = int(seq_len)
-            self.latest_token[rid] = int(token)
         lanes = prefill_lanes(batch)
+        prefill = set(lanes)
+        for lane, (rid, seq_len, token) in enumerate(zip(rids, batch.seq_lens.tolist(),
+                                                          tokens)):
+            # A prefill/extend lane computes up to its seq_len; a decode lane computes one
+            # position more than its request had, counted here, not read off the batch's
+            # seq_lens (the counter clause 2 checks against this).
+            known = self.kv_computed.get(rid)
+            self.kv_computed[rid] = (int(seq_len) if lane in prefill or known is None
+                                     else known + 1)
+            self.latest_token[rid] = int(token)
         for lane in lanes:
             self.kv_prefilled[rids[lane]] = self.kv_computed[rids[lane]]
         self._record_launch(forward_iter=batch.forward_iter, launch_ts=batch.launch_ts,
