@@ -198,6 +198,25 @@ def test_a_declared_abort_is_not_vacuous(tmp_path):
     assert _check("--loop", "normal", "--workload", path) == 0
 
 
+def test_a_later_turn_of_a_rejected_request_keeps_its_parents_prompt(tmp_path):
+    """SGLang replaces a rejected request's ``origin_input_ids`` with a placeholder; the
+    next turn is built from the prompt the parent was fed (it ran a 3-token prompt and
+    passed, instead of being rejected too)."""
+    path = _workload(tmp_path, LONG_PROMPT.format(expect='[expect]\naborted = ["long", '
+                                                         '"long2"]\n') + """
+[[requests]]
+rid = "long2"
+turn_of = "long"
+prompt = [17]
+max_new_tokens = 2
+arrival = 1
+""")
+    frames = contract_lib.run(path, "normal")
+    last = frames.requests.groupby("rid").tail(1).set_index("rid")
+    assert last.loc["long2", "finish_reason"] == "abort"  # parent's prompt, output, own:
+    assert "Input length (1192 tokens)" in last.loc["long2", "finish_message"]
+
+
 @pytest.mark.fast
 def test_no_clause_exercised_is_vacuous_unless_declared(saved):
     """Crafted: the frames of a finished run in which nothing launched (a real run that

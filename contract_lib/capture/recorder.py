@@ -65,6 +65,7 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
         self.step = -1
         self.reqs: dict[str, Any] = {}
         self.fed: set[str] = set()
+        self.fed_prompts: dict[str, list[int]] = {}  # rid -> the prompt it was fed with
         self.kv_computed: dict[str, int] = {}
         self.latest_token: dict[str, int] = {}
         self.launch_ct = 0
@@ -173,12 +174,15 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
             parent = self.reqs.get(spec.turn_of)
             if parent is None or not self.ended(parent):
                 return
-            prompt = list(parent.origin_input_ids) + list(parent.output_ids) + prompt
+            # The parent's prompt as fed, not its origin_input_ids: SGLang replaces those
+            # of a request it rejects (``set_finish_with_abort``) with a placeholder.
+            prompt = self.fed_prompts[spec.turn_of] + list(parent.output_ids) + prompt
         if self.omni:
             self.s.inbox.put(omni_request_message(spec.rid, prompt, spec.sampling()))
         else:
             self.s.request_receiver.pending.append(tokenized_request(spec, prompt))
         self.fed.add(spec.rid)
+        self.fed_prompts[spec.rid] = prompt
 
     def finish(self) -> None:
         """Emit the outputs table (called once, whatever ended the run)."""
