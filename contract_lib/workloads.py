@@ -63,6 +63,7 @@ them unless ``emit`` says so (2 is EOS).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,7 @@ from contract_lib.paths import WORKLOAD_DIR
 FIRST_ORDINARY_TOKEN = 10
 
 
+WORKLOAD_KEYS = {"name", "description", "requests", "server_args", "max_steps", "expect"}
 EXPECT_KEYS = {"aborted", "vacuous"}
 REQUEST_KEYS = {"rid", "prompt", "prompt_range", "max_new_tokens", "arrival", "turn_of",
                 "stop_token_ids", "emit", "ignore_eos", "abort_at", "priority"}
@@ -157,10 +159,21 @@ class Workload:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, source: str = "<dict>") -> "Workload":
         try:
-            requests = tuple(_request_from_dict(r) for r in raw["requests"])
+            _require_known(raw, WORKLOAD_KEYS, "key", "the workload")
+            requests = raw["requests"]
+            if not isinstance(requests, (list, tuple)) or not all(isinstance(r, dict)
+                                                                  for r in requests):
+                raise WorkloadError(f"requests must be a list of [[requests]] tables, got "
+                                    f"{requests!r}")
+            for table in ("server_args", "expect"):
+                if not isinstance(raw.get(table, {}), dict):
+                    raise WorkloadError(f"[{table}] must be a table of key = value, got "
+                                        f"{raw[table]!r}")
+            if not isinstance(raw["name"], str):
+                raise WorkloadError(f"name must be a string, got {raw['name']!r}")
             workload = cls(
-                name=str(raw["name"]),
-                requests=requests,
+                name=raw["name"],
+                requests=tuple(_request_from_dict(r) for r in requests),
                 description=str(raw.get("description", "")).strip(),
                 server_args=dict(raw.get("server_args", {})),
                 max_steps=raw.get("max_steps", 200),
@@ -274,18 +287,23 @@ def _require_int(value: Any, field: str, where: str, minimum: int | None = None)
 
 def _request_from_dict(raw: dict[str, Any]) -> RequestSpec:
     """Field values are kept as written; :meth:`Workload.validate` checks their types."""
-    rid = str(raw["rid"])
-    unknown = set(raw) - REQUEST_KEYS
-    if unknown:
-        raise WorkloadError(f"request {rid!r}: unknown field(s) {sorted(unknown)}; valid "
-                            f"fields: {', '.join(sorted(REQUEST_KEYS))}")
+    rid = raw["rid"]
+    if not isinstance(rid, str) or not rid:
+        raise WorkloadError(f"a request's rid must be a non-empty string, got {rid!r}")
+    _require_known(raw, REQUEST_KEYS, "field", f"request {rid!r}")
     if "prompt_range" in raw:
-        start, stop = raw["prompt_range"]
-        for bound in (start, stop):
+        if "prompt" in raw:
+            raise WorkloadError(f"request {rid!r} has both prompt and prompt_range; give "
+                                "one")
+        bounds = raw["prompt_range"]
+        if not isinstance(bounds, (list, tuple)) or len(bounds) != 2:
+            raise WorkloadError(f"request {rid!r}: prompt_range must be [start, stop] (the "
+                                f"prompt is the token ids start..stop-1), got {bounds!r}")
+        for bound in bounds:
             _require_int(bound, "prompt_range", f"request {rid!r}")
-        prompt = tuple(range(start, stop))
+        prompt = tuple(range(*bounds))
     else:
-        prompt = tuple(raw.get("prompt", ()))
+        prompt = _int_list(raw.get("prompt", ()), "prompt", rid)
     return RequestSpec(
         rid=rid,
         prompt=prompt,
@@ -298,6 +316,16 @@ def _request_from_dict(raw: dict[str, Any]) -> RequestSpec:
         abort_at=raw.get("abort_at"),
         priority=raw.get("priority"),
     )
+
+
+def _require_known(raw: dict[str, Any], known: set[str], kind: str, where: str) -> None:
+    """Refuse a key that is not one of ``known`` (a typo would silently take a default),
+    naming the closest known one."""
+    for key in sorted(set(raw) - known):
+        close = difflib.get_close_matches(key, sorted(known), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise WorkloadError(f"{where}: unknown {kind} {key!r}{hint} (valid: "
+                            f"{', '.join(sorted(known))})")
 
 
 def _int_list(value: Any, field: str, rid: str) -> tuple:

@@ -283,13 +283,27 @@ def _with(request: dict | None = None, **top) -> dict:
     (_with({"emit": [1, 2]}), "emit must be a table of output position = token"),
     (_with({"emit": [[1, 2], [1, 3]]}), "emit names a position twice"),
     (_with({"ignore_eos": "yes"}), "ignore_eos must be true or false"),
-    (_with({"min_new_tokens": 1}), "unknown field(s) ['min_new_tokens']"),
+    (_with({"min_new_tokens": 1}),
+     "unknown field 'min_new_tokens'; did you mean 'max_new_tokens'?"),
     (_with({"abort_at": 2, "arrival": 3}), "abort_at must be >= 3"),
     (_with({"abort_at": True}), "abort_at must be an integer"),
     (_with({"priority": "high"}, server_args={"enable_priority_scheduling": True}),
      "priority must be an integer"),
     (_with({"priority": 3}), "enable_priority_scheduling = true"),
-    (_with({"stop_tokens": [7]}), "unknown field(s) ['stop_tokens']"),
+    (_with({"stop_tokens": [7]}),
+     "unknown field 'stop_tokens'; did you mean 'stop_token_ids'?"),
+    # shapes a typo or a slip gives, each named (they ran on a default, or failed inside
+    # Python with "'int' object is not iterable")
+    (_with(max_step=10), "the workload: unknown key 'max_step'; did you mean 'max_steps'?"),
+    (_with({"prompt_range": [20, 30]}), "has both prompt and prompt_range"),
+    (_with({"prompt": 42}), "prompt must be a list of token ids, got 42"),
+    ({**BASE, "requests": [{"rid": "a", "prompt_range": [20, 30, 40], "max_new_tokens": 4}]},
+     "prompt_range must be [start, stop]"),
+    (_with({"rid": ""}), "rid must be a non-empty string"),
+    ({**BASE, "requests": 5}, "requests must be a list of [[requests]] tables, got 5"),
+    ({**BASE, "requests": [1, 2]}, "requests must be a list of [[requests]] tables"),
+    (_with(server_args=5), "[server_args] must be a table"),
+    (_with(name={"x": 1}), "name must be a string"),
 ])
 def test_each_new_field_is_validated(raw, message):
     with pytest.raises(WorkloadError) as caught:
