@@ -141,11 +141,16 @@ class Workload:
 
     def expected_outcomes(self) -> dict[str, Any]:
         """``[expect]`` with the scripted aborts added to ``aborted``: an abort the
-        workload sends is an outcome it means to produce."""
+        workload sends is an outcome it means to produce. ``declared_aborted``: the ones
+        ``[expect]`` names, which SGLang must abort (a scripted abort may come after its
+        request finished)."""
         sent = [spec.rid for spec in self.requests if spec.abort_at is not None]
         declared = list(self.expect.get("aborted", []))
         aborted = declared + [rid for rid in sent if rid not in declared]
-        return {**self.expect, "aborted": aborted} if aborted else dict(self.expect)
+        outcomes = {**self.expect, "aborted": aborted} if aborted else dict(self.expect)
+        if declared:
+            outcomes["declared_aborted"] = declared
+        return outcomes
 
     def request(self, rid: str) -> RequestSpec:
         for spec in self.requests:

@@ -120,6 +120,12 @@ def test_clause5_masked_and_plain_violation(good):
 
 
 @pytest.mark.fast
+def test_an_abort_without_a_message_says_so(good):
+    last = good.requests.index[-1]
+    good.requests.loc[last, ["finish_reason", "finish_message"]] = ["abort", None]
+    assert list(check(good).aborted["message"]) == ["(no message)"]
+
+
 def test_a_pool_leak_fails_the_run(good):
     """SGLang's own conservation law not balancing is a finding, not a footnote: the run
     is violated (it passed with the leak printed in its table) and ``assert_contract``

@@ -198,6 +198,16 @@ def test_a_declared_abort_is_not_vacuous(tmp_path):
     assert _check("--loop", "normal", "--workload", path) == 0
 
 
+def test_a_declared_abort_that_does_not_happen_is_vacuous(tmp_path, capsys):
+    """``[expect] aborted`` names requests SGLang must abort: one it runs to the end
+    means the workload did not produce what it declares (it passed silently)."""
+    path = _workload(tmp_path, LONG_PROMPT.format(
+        expect='[expect]\naborted = ["long", "short"]\n'))
+    assert _check("--loop", "normal", "--workload", path) == 4
+    assert ("request short is declared aborted ([expect] aborted), but SGLang did not "
+            "abort it") in capsys.readouterr().out
+
+
 def test_a_later_turn_of_a_rejected_request_keeps_its_parents_prompt(tmp_path):
     """SGLang replaces a rejected request's ``origin_input_ids`` with a placeholder; the
     next turn is built from the prompt the parent was fed (it ran a 3-token prompt and

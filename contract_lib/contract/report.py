@@ -71,10 +71,14 @@ class Report:
 
     def vacuity(self) -> list[str]:
         """Why a finished run proves nothing, unless its workload declares it expected:
-        requests SGLang aborted, or no clause exercised."""
+        requests SGLang aborted, a declared abort that did not happen, or no clause
+        exercised."""
         expect = self.meta.get("expect") or {}
         reasons = [f"SGLang aborted request {r.rid}: {r.message}"
                    for r in self.aborted.itertuples(index=False) if not r.expected]
+        reasons += [f"request {rid} is declared aborted ([expect] aborted), but SGLang did "
+                    "not abort it" for rid in expect.get("declared_aborted", ())
+                    if rid not in set(self.aborted["rid"])]
         if (all(r.status == NOT_EXERCISED for r in self.clauses.values())
                 and not expect.get("vacuous")):
             reasons.append("no clause was exercised")
@@ -197,8 +201,9 @@ def aborted_requests(frames: Frames) -> pd.DataFrame:
     last = requests.sort_values("step", kind="stable").groupby("rid", sort=False).tail(1)
     aborted = last[last["finish_reason"] == "abort"]
     expected = set((frames.meta.get("expect") or {}).get("aborted", ()))
-    return pd.DataFrame({"rid": aborted["rid"].tolist(),
-                         "message": aborted["finish_message"].tolist(),
+    messages = [m if isinstance(m, str) and m else "(no message)"  # None or NaN: none
+                for m in aborted["finish_message"]]
+    return pd.DataFrame({"rid": aborted["rid"].tolist(), "message": messages,
                          "expected": [rid in expected for rid in aborted["rid"]]},
                         columns=ABORTED_COLUMNS)
 
