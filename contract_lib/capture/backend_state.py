@@ -20,8 +20,10 @@ class BackendStateRecorder:
     (MLX: ``MlxTpModelWorker``, its ``MlxModelRunner`` and the bookkeeping stub; torch:
     ``TpModelWorker`` and its runner). A structure is per-request when it is a dict or set
     attribute of one of them that has ever been keyed by a request id the scheduler knows;
-    from then on every string key it holds is recorded, known or not. No names are
-    assumed, so a release or a replacement loop that renames them is still covered.
+    from then on every string key it holds is recorded, known or not. No structure
+    names are assumed, so a release or a replacement loop that renames them is still
+    covered; the objects are found by name, though: a runner held under an attribute not
+    ending in ``runner`` (e.g. ``_mlx_engine``) is not looked at.
     """
 
     def __init__(self, scheduler) -> None:
