@@ -20,6 +20,9 @@ Tables (pandas DataFrames; the column lists below are the schema):
   ``written`` is True when that entry was written into the row while this request held
   it (by ``ReqToTokenPool.write``: the allocator's slots and its own radix-matched
   prefix), False when it is left over from the row's previous holder or never written.
+- ``forward_slots``: per torch launch (the model-free forward), lane and position it
+  computes, the pool slot the forward writes that position's KV to (``out_cache_loc``):
+  the slot ``req_to_token`` must record for it (clause 1).
 - ``relay``: every read of ``future_map.output_tokens_buf`` by ``resolve_forward_inputs``
   (``value``: what the row held) and every stash into it (``value``: what the row holds
   after the stash, read back). The buffer is poisoned with -1 at construction. A read is
@@ -64,7 +67,7 @@ import pandas as pd
 
 from contract_lib.atomic import atomic_write
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 COLUMNS: dict[str, list[str]] = {
     "steps": [
@@ -86,6 +89,7 @@ COLUMNS: dict[str, list[str]] = {
         "decode_batch_idx", "kv_prefilled",
     ],
     "slots": ["step", "rid", "req_pool_idx", "position", "slot", "slot_free", "written"],
+    "forward_slots": ["launch", "step", "rid", "position", "slot"],
     "relay": [
         "event", "step", "launch", "loop", "kind", "row", "rid", "value",
         "last_published", "published_for_rid",

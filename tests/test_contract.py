@@ -283,6 +283,18 @@ def test_a_decode_that_does_not_advance_its_counters_breaks_clause_2(run_cached)
             first["actual"]) == ("seq_lens", 4, "a", 13, 12)
 
 
+def test_slots_recorded_for_another_request_break_clause_1(run_cached):
+    """A position a torch launch computed must record the slot its forward wrote the KV
+    to (``forward_slots``): decode slots recorded in swapped rows passed, each entry
+    being a real, written, unshared slot."""
+    report = check(run_cached("finish-mid-chain", "normal", "user_patches:swap_decode_slots"),
+                   "rfc")
+    first = report.clauses[1].first()
+    assert report.clauses[1].status == VIOLATED
+    assert (first["step"], first["rid"], first["actual"]) == (
+        2, "a", "slot 33 (its KV went to slot 31)")
+
+
 def test_user_patch_is_reported_against_its_clause_and_field(run_cached):
     report = check(run_cached("single-decode", "normal", "user_patches:stale_forward_iter"))
     assert _statuses(report)[3] == VIOLATED

@@ -225,3 +225,16 @@ def skip_some_decode_prepares():
         return real(self, *args, **kwargs)
 
     ScheduleBatch.prepare_for_decode = prepare_for_decode
+
+
+def swap_decode_slots():
+    """A decode batch's new slots are recorded in reversed request order: each row gets
+    another request's slot, while the forward writes each request's KV to its own."""
+    from sglang.srt.mem_cache import allocation
+    from contract_lib.patches import patch_source
+
+    patch_source(allocation, "alloc_for_decode_default", [
+        ("(batch.req_pool_indices, locs), out_cache_loc.to(torch.int32)",
+         "(batch.req_pool_indices, locs), out_cache_loc.flip(0).to(torch.int32)")],
+        "swap-decode-slots")
+    allocation.ALLOC_FOR_DECODE_FUNCS.clear()  # it holds the function as first looked up

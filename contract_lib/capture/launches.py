@@ -30,8 +30,8 @@ class LaunchRecording:
         rids = [req.rid for req in batch.reqs]
         lanes = prefill_lanes(batch)
         prefill = set(lanes)
-        for lane, (rid, seq_len, token) in enumerate(zip(rids, batch.seq_lens.tolist(),
-                                                          tokens)):
+        seq_lens = batch.seq_lens.tolist()
+        for lane, (rid, seq_len, token) in enumerate(zip(rids, seq_lens, tokens)):
             # A prefill/extend lane computes up to its seq_len; a decode lane computes one
             # position more than its request had, counted here, not read off the batch's
             # seq_lens (the counter clause 2 checks against this).
@@ -44,6 +44,28 @@ class LaunchRecording:
         self._record_launch(forward_iter=batch.forward_iter, launch_ts=batch.launch_ts,
                             mode=mode_name(batch), chained=False, rids=rids,
                             prefilled_tokens=prefilled_tokens(batch, lanes))
+        self._record_forward_slots(batch, rids, seq_lens)
+
+    def _record_forward_slots(self, batch, rids: list[str], seq_lens: list[int]) -> None:
+        """The pool slot the forward writes each computed position's KV to: a lane
+        computes its last ``extend_lens`` positions (an extend or mixed batch; a decode
+        lane of either, one), in ``out_cache_loc`` order. Not recorded when the counts
+        and ``out_cache_loc`` disagree (a batch shape this reading does not know)."""
+        if batch.out_cache_loc is None:
+            return
+        slots = batch.out_cache_loc.tolist()
+        counts = (list(batch.extend_lens) if batch.forward_mode.is_extend()
+                  else [1] * len(rids))
+        if len(counts) != len(rids) or sum(counts) != len(slots):
+            return
+        taken, offset = [], 0
+        for rid, seq_len, count in zip(rids, seq_lens, counts):
+            for index in range(count):
+                taken.append(("forward_slots", {
+                    "launch": self.launch_ct, "step": self.step, "rid": rid,
+                    "position": seq_len - count + index, "slot": slots[offset + index]}))
+            offset += count
+        self._emit_rows(taken)
 
     def on_mlx_launch(self, launch, batch, *, chained: bool) -> None:
         rids = []

@@ -7,7 +7,9 @@ padding slot 0, not free in the allocator, and not held by another live request 
 both requests hold at the same position inside their radix-protected prefix,
 ``p < cache_protected_len``, is shared by design). An entry the request never wrote is
 ``stale``: left by the row's previous holder, it points at a slot the radix tree keeps
-for another request.
+for another request. At the boundary after a torch launch, a position it computed
+records the slot its forward wrote that position's KV to (``forward_slots``); another
+slot is ``misplaced``: the KV is elsewhere than the scheduler says.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from contract_lib.contract.base import (ClauseResult, NotExercised, ints, live, 
 from contract_lib.contract.registry import clause
 from contract_lib.frames import Frames
 
-SLOT_STATES = ("recorded", "not computed", "slot 0", "free", "shared", "stale")
-BAD_SLOT_STATES = ("slot 0", "free", "shared", "stale")
+SLOT_STATES = ("recorded", "not computed", "slot 0", "free", "shared", "stale",
+               "misplaced")
+BAD_SLOT_STATES = ("slot 0", "free", "shared", "stale", "misplaced")
 _NO_ROWS = no_rows(field="str", step="int64", rid=object, expected="str", actual="str",
                    explanation="str")
 
@@ -33,12 +36,17 @@ def slot_states(frames: Frames) -> pd.DataFrame:
     violations ``slot 0`` (the padding slot), ``free`` (free in the allocator), ``shared``
     (held by another live request other than by radix sharing: the same position inside
     both rows' protected prefix), ``stale`` (an entry this request never wrote: left by
-    the row's previous holder, a slot the radix tree keeps for another request). The
-    first of ``slot 0``, ``free``, ``shared``, ``stale`` that applies wins. Frames
-    without the ``written`` column (older recordings) never show ``stale``.
+    the row's previous holder, a slot the radix tree keeps for another request),
+    ``misplaced`` (at the boundary after a torch launch, a position it computed whose
+    entry is not the slot the forward wrote its KV to; adds ``forward_slot``). The first
+    of ``slot 0``, ``free``, ``shared``, ``stale``, ``misplaced`` that applies wins.
     """
     alive = live(frames.requests)[["step", "rid", "kv_computed", "cache_protected_len"]]
     slots = frames.slots.merge(alive, on=["step", "rid"], how="inner")
+    forward = frames.forward_slots.assign(step=frames.forward_slots["step"] + 1).rename(
+        columns={"slot": "forward_slot"})[["step", "rid", "position", "forward_slot"]]
+    slots = slots.merge(forward.drop_duplicates(["step", "rid", "position"], keep="last"),
+                        on=["step", "rid", "position"], how="left")
     computed = slots["position"] < slots["kv_computed"]
     inside = slots[computed]
     # Only a slot entered more than once at a step can be shared: group those alone.
@@ -53,6 +61,8 @@ def slot_states(frames: Frames) -> pd.DataFrame:
         shared = held[held].index
     state = pd.Series("not computed", index=slots.index)
     state[computed] = "recorded"
+    state[computed & slots["forward_slot"].notna()
+          & (slots["slot"] != slots["forward_slot"])] = "misplaced"
     written = slots["written"] if "written" in slots else pd.Series(True, index=slots.index)
     state[computed & (written == False)] = "stale"  # noqa: E712 - None means unknown
     state[shared] = "shared"
@@ -75,7 +85,8 @@ def check_slots(frames: Frames) -> ClauseResult:
     note = f"{len(checked)} (step, request, position) entries checked"
     if bad.empty:
         return result(1, loop, _NO_ROWS, note)
-    padding, free, shared, stale = (bad["state"] == kind for kind in BAD_SLOT_STATES)
+    padding, free, shared, stale, misplaced = (bad["state"] == kind
+                                               for kind in BAD_SLOT_STATES)
     slot = "slot " + ints(bad["slot"])
     others = pd.Series("", index=bad.index)
     if shared.any():
@@ -86,13 +97,18 @@ def check_slots(frames: Frames) -> ClauseResult:
     actual = slot.where(~free, slot + " (free)").where(~shared, slot + " (also held by "
                                                         + others + ")")
     actual = actual.where(~padding, "slot 0").where(
-        ~stale, slot + " (never written for " + bad["rid"] + ")")
+        ~stale, slot + " (never written for " + bad["rid"] + ")").where(
+        ~misplaced, slot + " (its KV went to slot "
+        + ints(bad["forward_slot"].where(misplaced, 0)) + ")")
     explanation = pd.Series(
         "another live request's slot: a pool sync would overwrite its KV", index=bad.index)
     explanation = explanation.where(
         ~stale, "an entry this request never wrote: left by the row's previous holder, a "
                 "slot the radix tree keeps for another request; a pool sync would "
                 "overwrite that request's cached KV")
+    explanation = explanation.where(
+        ~misplaced, "the forward wrote this position's KV to another slot than the one "
+                    "recorded: a pool sync and the radix tree read the recorded slot")
     explanation = explanation.where(
         ~free, "a slot the allocator holds as free: a stale entry in a reused row")
     explanation = explanation.where(

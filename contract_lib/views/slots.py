@@ -25,6 +25,7 @@ SLOT_COLOURS = {
     "free": ("a free slot: stale entry", SALMON),
     "shared": ("held by another live request", PURPLE),
     "stale": ("never written for this request: the row's previous holder's slot", BROWN),
+    "misplaced": ("not the slot the forward wrote this position's KV to", BLACK),
 }
 """Legend text and colour of each clause-1 state of :func:`contract_lib.contract.slot_states`."""
 UNCHECKED = ("recorded", "not computed")
