@@ -8,7 +8,8 @@ full), in the order a run sends them:
 - ``("row", table, row)``: one frame row (``launches`` rows are indexed for updates);
 - ``("update", table, key, value, fields)``: fields of an earlier ``launches`` row;
 - ``("rows", [(table, row), ...], slot_rows)``: rows taken together (a step's frame,
-  its slots column-wise; the relay rows of one read or write);
+  its slots column-wise; the relay rows of one read or write; a launch's forward slots);
+  a row is a dict, or a tuple in the table's column order (``forward_slots``);
 - ``("end", status, error)``: the run's fate (``finished``, ``crashed``, ``timeout``).
 
 An ``error`` is a dict: ``type``, ``phase`` (``setup``, ``loop``...), ``message``,

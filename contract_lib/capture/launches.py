@@ -58,12 +58,13 @@ class LaunchRecording:
                   else [1] * len(rids))
         if len(counts) != len(rids) or sum(counts) != len(slots):
             return
-        taken, offset = [], 0
+        # Rows as tuples in the table's column order (a prefill lane has one a token:
+        # cheaper to build and pickle than dicts; the parent's DataFrame takes either).
+        launch, step, taken, offset = self.launch_ct, self.step, [], 0
         for rid, seq_len, count in zip(rids, seq_lens, counts):
-            for index in range(count):
-                taken.append(("forward_slots", {
-                    "launch": self.launch_ct, "step": self.step, "rid": rid,
-                    "position": seq_len - count + index, "slot": slots[offset + index]}))
+            first = seq_len - count
+            taken += [("forward_slots", (launch, step, rid, first + index, slot))
+                      for index, slot in enumerate(slots[offset:offset + count])]
             offset += count
         self._emit_rows(taken)
 
@@ -153,7 +154,7 @@ class LaunchRecording:
             }))
         self._emit_rows(taken)
 
-    def _emit_rows(self, taken: list[tuple[str, dict]]) -> None:
+    def _emit_rows(self, taken: list[tuple[str, dict | tuple]]) -> None:
         """The rows one hook call took, in one message (sent before the call returns)."""
         if taken:
             self.emit(("rows", taken, []))
