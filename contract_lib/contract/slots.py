@@ -7,9 +7,11 @@ padding slot 0, not free in the allocator, and not held by another live request 
 both requests hold at the same position inside their radix-protected prefix,
 ``p < cache_protected_len``, is shared by design). An entry the request never wrote is
 ``stale``: left by the row's previous holder, it points at a slot the radix tree keeps
-for another request. At the boundary after a torch launch, a position it computed
-records the slot its forward wrote that position's KV to (``forward_slots``); another
-slot is ``misplaced``: the KV is elsewhere than the scheduler says.
+for another request. At the boundary after a torch launch, a position it computed past
+the request's protected prefix records the slot its forward wrote that position's KV
+to (``forward_slots``); another slot is ``misplaced``: the KV is elsewhere than the
+scheduler says (inside the protected prefix the radix tree's slot stands, which may be
+another request's copy of the same KV).
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ def slot_states(frames: Frames) -> pd.DataFrame:
     (held by another live request other than by radix sharing: the same position inside
     both rows' protected prefix), ``stale`` (an entry this request never wrote: left by
     the row's previous holder, a slot the radix tree keeps for another request),
-    ``misplaced`` (at the boundary after a torch launch, a position it computed whose
-    entry is not the slot the forward wrote its KV to; adds ``forward_slot``). The first
+    ``misplaced`` (at the boundary after a torch launch, a position it computed, past the
+    protected prefix, whose entry is not the slot the forward wrote its KV to; adds
+    ``forward_slot``). The first
     of ``slot 0``, ``free``, ``shared``, ``stale``, ``misplaced`` that applies wins.
     """
     alive = live(frames.requests)[["step", "rid", "kv_computed", "cache_protected_len"]]
@@ -61,7 +64,11 @@ def slot_states(frames: Frames) -> pd.DataFrame:
         shared = held[held].index
     state = pd.Series("not computed", index=slots.index)
     state[computed] = "recorded"
+    # Inside the protected prefix the radix tree took the positions over: their entries
+    # are the tree's slots, which may be another request's copy of the same KV (SGLang
+    # frees the duplicate when it inserts a prefix the tree already holds).
     state[computed & slots["forward_slot"].notna()
+          & (slots["position"] >= slots["cache_protected_len"])
           & (slots["slot"] != slots["forward_slot"])] = "misplaced"
     written = slots["written"] if "written" in slots else pd.Series(True, index=slots.index)
     state[computed & (written == False)] = "stale"  # noqa: E712 - None means unknown
