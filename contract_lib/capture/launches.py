@@ -58,7 +58,7 @@ class LaunchRecording:
                   else [1] * len(rids))
         if len(counts) != len(rids) or sum(counts) != len(slots):
             return
-        # Rows as tuples in the table's column order (a prefill lane has one a token:
+        # Rows as tuples in the table's column order (a prefill lane has one per token:
         # cheaper to build and pickle than dicts; the parent's DataFrame takes either).
         launch, step, taken, offset = self.launch_ct, self.step, [], 0
         for rid, seq_len, count in zip(rids, seq_lens, counts):
