@@ -347,8 +347,8 @@ def _emit_pairs(value: Any, rid: str) -> tuple[tuple[int, Any], ...]:
     trip). Positions are checked here, tokens by ``validate``."""
     where = f"request {rid!r}"
     if isinstance(value, dict):
-        pairs = [(int(k) if isinstance(k, str) and k.isdigit() else k, t)
-                 for k, t in value.items()]
+        pairs = [(int(k) if isinstance(k, str) and k.removeprefix("-").isdigit() else k, t)
+                 for k, t in value.items()]  # "-1" parses, to be refused as negative
     elif isinstance(value, (list, tuple)) and all(
             isinstance(p, (list, tuple)) and len(p) == 2 for p in value):
         pairs = [tuple(p) for p in value]

@@ -277,6 +277,7 @@ def _with(request: dict | None = None, **top) -> dict:
     (_with({"stop_token_ids": [-1]}), "stop_token_ids entry must be >= 0"),
     (_with({"stop_token_ids": ["7"]}), "stop_token_ids entry must be an integer"),
     (_with({"emit": {"x": 2}}), "emit position must be an integer"),
+    (_with({"emit": {"-1": 2}}), "emit position must be >= 0, got -1"),
     (_with({"emit": {"4": 2}}), "emit position 4 is past the request's output"),
     (_with({"emit": {"1": 2.0}}), "emit token (position 1) must be an integer"),
     (_with({"emit": {"1": -3}}), "emit token (position 1) must be >= 0"),
