@@ -7,7 +7,8 @@ digest, the diffs' text), the SGLang the run imports (the venv's, or the folder 
 with ``sglang=`` / ``diff=``: version, and the path, size and mtime of every file of the
 package, so an edited install is a different key), the
 versions of torch, mlx, mlx-lm and Python, this library's own source and data files, the
-source of any user patch module, and the ``SGL*`` environment variables SGLang reads. Only ``finished`` runs are stored; faults always rerun.
+source of any user patch module, and the ``SGL*`` environment variables SGLang reads.
+Only ``finished`` runs are stored; faults always rerun.
 
 What the key cannot know in advance, the entry records: the file and sha256 of every
 module the run loaded from outside the installed code (a user patch and the helper

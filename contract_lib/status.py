@@ -90,6 +90,9 @@ class Status:
         """Whether any run's frames broke SGLang's KV pool conservation law."""
         return any(not r.pool.empty for r in self.reports.values())
 
+    def shows_pool_row(self) -> bool:
+        return self.pool_row or self.leaks()
+
     def per_run(self) -> pd.DataFrame:
         """One row per (workload, loop, clause) with that run's status; none for a run
         the loop refused as unsupported."""
@@ -128,7 +131,7 @@ class Status:
                     worst = SGLANG_WIDE
                 row[loop] = f"{worst} ({count}/{len(cell)})"
             rows.append(row)
-        if self.pool_row or self.leaks():
+        if self.shows_pool_row():
             row = {"clause": f"- {POOL_ROW}"}
             for loop in columns:
                 seen = [not r.pool.empty for (_, l), r in self.reports.items()
@@ -192,7 +195,7 @@ class Status:
         lines.append("")
         lines.append("(worst status over the workloads, and in how many of them it shows)")
         lines += _findings_note(table)
-        if self.pool_row or self.leaks():
+        if self.shows_pool_row():
             lines.append("(KV pool conservation: leak = available + evictable + protected + "
                          "uncached != total at a step boundary, SGLang's own law)")
         if self.kv_damaged:

@@ -2,8 +2,8 @@
 
 A green verdict is earned: the loop that was asked for ran to the end, at least one clause
 was exercised, every clause held, SGLang's KV pool conservation law balanced at every step
-boundary, and SGLang aborted no request the workload did not declare. Every other outcome has its own exit code, so CI can tell a finding from a
-broken run:
+boundary, and SGLang aborted no request the workload did not declare. Every other outcome
+has its own exit code, so CI can tell a finding from a broken run:
 
 ====  ================  ============================================================
 code  outcome           when
