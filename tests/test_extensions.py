@@ -180,9 +180,10 @@ def test_clause7_not_exercised_without_backend_state(mlx_good):
 
 @pytest.mark.fast
 def test_backend_state_sees_structures_bound_or_keyed_later():
-    """The recorder re-reads an object's attribute names only when their names or types
-    changed; a dict bound where None was, a runner added, a dict keyed later are still
-    found at the next step."""
+    """The recorder re-reads the worker's attribute names only when their names or types
+    changed, a held object's when its attribute count or its None attributes changed;
+    a dict bound where None was, an object added, a dict keyed later are still found at
+    the next step."""
     from types import SimpleNamespace
 
     from contract_lib.capture.backend_state import BackendStateRecorder
@@ -200,7 +201,23 @@ def test_backend_state_sees_structures_bound_or_keyed_later():
     found = {("a", "tp_worker.pending"), ("a", "tp_worker.model_runner.rows_of")}
     assert structures(1) == found
     worker.draft_runner = SimpleNamespace(req_pool_idx={"a": 1})  # a new runner
-    assert structures(2) == found | {("a", "tp_worker.draft_runner.req_pool_idx")}
+    found |= {("a", "tp_worker.draft_runner.req_pool_idx")}
+    assert structures(2) == found
+    # Held objects are found by what they are, not by name: an engine whose cache is
+    # bound where None was, one that gains a structure, one rebound to a non-container.
+    worker.engine = SimpleNamespace(caches=None, rows=[])
+    assert structures(3) == found
+    worker.engine.caches = {"a": object()}
+    worker.engine.synced = {"a"}
+    worker.engine.rows = {"a": 2}  # was a list
+    found |= {("a", "tp_worker.engine.caches"), ("a", "tp_worker.engine.synced"),
+              ("a", "tp_worker.engine.rows")}
+    assert structures(4) == found
+    worker.engine.caches = [1]  # no longer a container: skipped, not a crash
+    assert structures(5) == found - {("a", "tp_worker.engine.caches")}
+    worker.link = recorder.s  # the scheduler itself is not the backend's
+    recorder.s.book = {"a": 1}
+    assert ("a", "tp_worker.link.book") not in structures(6)
 
 
 @pytest.mark.fast

@@ -104,6 +104,16 @@ def test_a_leak_only_the_frames_see_fails_the_check(capsys):
     assert "KV pool: first leak at step 25" in out
 
 
+def test_a_runner_held_under_another_name_is_still_the_backend(capsys):
+    """The MLX worker holds its runner as ``_mlx_engine`` and the runner keeps a removed
+    request's cache; the worker's own structures are retired (fix-backend-state). Found
+    by name, the runner was not looked at and clause 7 held."""
+    assert main(["check", "--loop", "mlx", "--workload", "two-turn", "--out", "/dev/null",
+                 "--patch", "fix-backend-state+user_patches:renamed_runner_keeps_caches"]) == 1
+    out = capsys.readouterr().out
+    assert "clause 7 (request state retired): field tp_worker._mlx_engine._req_caches" in out
+
+
 def test_max_steps_reached_exits_3(tmp_path, capsys):
     workload = contract_lib.load_workload("single-decode").to_dict()
     workload["max_steps"] = 4

@@ -238,3 +238,31 @@ def swap_decode_slots():
          "(batch.req_pool_indices, locs), out_cache_loc.flip(0).to(torch.int32)")],
         "swap-decode-slots")
     allocation.ALLOC_FOR_DECODE_FUNCS.clear()  # it holds the function as first looked up
+
+
+def renamed_runner_keeps_caches():
+    """The MLX worker holds its runner as ``_mlx_engine`` (a name not ending in
+    ``runner``), and the runner keeps a removed request's cache: a leak only the runner's
+    own structure shows (clause 7)."""
+    from sglang.srt.hardware_backend.mlx import model_runner, tp_worker
+
+    def get(worker):
+        try:
+            return worker.__dict__["_mlx_engine"]
+        except KeyError:
+            raise AttributeError("_mlx_runner") from None
+
+    def set_(worker, runner):
+        worker.__dict__["_mlx_engine"] = runner
+
+    tp_worker.MlxTpModelWorker._mlx_runner = property(get, set_)
+    runner_class = model_runner.MlxModelRunner  # as the worker will build it
+    real_remove = runner_class.remove_request
+
+    def remove_request(runner, req_id):
+        kept = runner._req_caches.get(req_id)
+        real_remove(runner, req_id)
+        if kept is not None:
+            runner._req_caches[req_id] = kept
+
+    runner_class.remove_request = remove_request
