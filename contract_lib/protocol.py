@@ -5,11 +5,11 @@ whose notes on a one-way pipe say what to read; on the pipe itself once the jour
 full), in the order a run sends them:
 
 - ``("meta", dict)``: run metadata (shims applied, the loop function entered, timing...);
-- ``("row", table, row)``: one frame row (``launches`` rows are indexed for updates);
-- ``("update", table, key, value, fields)``: fields of an earlier ``launches`` row;
 - ``("rows", [(table, row), ...], slot_rows)``: rows taken together (a step's frame,
-  its slots column-wise; the relay rows of one read or write; a launch's forward slots);
-  a row is a dict, or a tuple in the table's column order (``forward_slots``);
+  its slots column-wise; the relay rows of one read or write; a launch's row and its
+  forward slots); a row is a dict, or a tuple in the table's column order
+  (``forward_slots``); ``launches`` rows are indexed for updates;
+- ``("update", table, key, value, fields)``: fields of an earlier ``launches`` row;
 - ``("end", status, error)``: the run's fate (``finished``, ``crashed``, ``timeout``).
 
 An ``error`` is a dict: ``type``, ``phase`` (``setup``, ``loop``...), ``message``,
@@ -30,7 +30,7 @@ from typing import Any
 from contract_lib import journal
 from contract_lib.frames import Frames
 
-META, ROW, UPDATE, ROWS, END = "meta", "row", "update", "rows", "end"
+META, UPDATE, ROWS, END = "meta", "update", "rows", "end"
 
 
 class RunSetupError(ValueError):
@@ -97,14 +97,11 @@ def collect(receiver: Connection, stored: journal.Reader, child, meta: dict[str,
     def take(message: tuple) -> None:
         nonlocal end
         kind = message[0]
-        if kind == ROW:
-            _, table, row = message
-            rows.setdefault(table, []).append(row)
-            if table == "launches":
-                index[(table, row["launch"])] = row
-        elif kind == ROWS:
+        if kind == ROWS:
             for table, row in message[1]:
                 rows.setdefault(table, []).append(row)
+                if table == "launches":
+                    index[(table, row["launch"])] = row
             rows.setdefault("slots", []).extend(slot_rows(message[2]))
         elif kind == UPDATE:
             _, table, _key, value, fields = message

@@ -10,18 +10,19 @@ class LaunchRecording:
     """The launch and relay part of :class:`~contract_lib.capture.recorder.Recorder` (its
     state is set in ``Recorder.__init__``)."""
 
-    def _record_launch(self, *, forward_iter, launch_ts, mode, chained, rids,
-                       prefilled_tokens: int = 0) -> None:
+    def _launch_row(self, *, forward_iter, launch_ts, mode, chained, rids,
+                    prefilled_tokens: int = 0) -> tuple[str, dict]:
+        """A new launch, counted, and its ``launches`` row (for the caller to send)."""
         self.launch_ct += 1
         self.unprocessed.append(self.launch_ct)
-        self.emit(("row", "launches", {
+        return ("launches", {
             "launch": self.launch_ct, "step": self.step, "loop": self.loop,
             "forward_ct": self.s.forward_ct, "forward_iter": forward_iter,
             "launch_ts": launch_ts, "mode": mode, "chained": chained,
             "rids": ",".join(rids), "processed_step": None,
             "processed_forward_iter": None, "processed_launch_ts": None,
             "prefilled_tokens": prefilled_tokens,
-        }))
+        })
 
     def on_torch_launch(self, batch, tokens: list[int]) -> None:
         """Called by the torch model-free forward with the batch and the tokens it made."""
@@ -41,23 +42,24 @@ class LaunchRecording:
             self.latest_token[rid] = int(token)
         for lane in lanes:
             self.kv_prefilled[rids[lane]] = self.kv_computed[rids[lane]]
-        self._record_launch(forward_iter=batch.forward_iter, launch_ts=batch.launch_ts,
-                            mode=mode_name(batch), chained=False, rids=rids,
-                            prefilled_tokens=prefilled_tokens(batch, lanes))
-        self._record_forward_slots(batch, rids, seq_lens)
+        launch = self._launch_row(forward_iter=batch.forward_iter, launch_ts=batch.launch_ts,
+                                  mode=mode_name(batch), chained=False, rids=rids,
+                                  prefilled_tokens=prefilled_tokens(batch, lanes))
+        self._emit_rows([launch, *self._forward_slots(batch, rids, seq_lens)])
 
-    def _record_forward_slots(self, batch, rids: list[str], seq_lens: list[int]) -> None:
-        """The pool slot the forward writes each computed position's KV to: a lane
+    def _forward_slots(self, batch, rids: list[str], seq_lens: list[int]) -> list[tuple]:
+        """The ``forward_slots`` rows of the launch just counted: the pool slot the
+        forward writes each computed position's KV to. A lane
         computes its last ``extend_lens`` positions (an extend or mixed batch; a decode
         lane of either, one), in ``out_cache_loc`` order. Not recorded when the counts
         and ``out_cache_loc`` disagree (a batch shape this reading does not know)."""
         if batch.out_cache_loc is None:
-            return
+            return []
         slots = batch.out_cache_loc.tolist()
         counts = (list(batch.extend_lens) if batch.forward_mode.is_extend()
                   else [1] * len(rids))
         if len(counts) != len(rids) or sum(counts) != len(slots):
-            return
+            return []
         # Rows as tuples in the table's column order (a prefill lane has one per token:
         # cheaper to build and pickle than dicts; the parent's DataFrame takes either).
         launch, step, taken, offset = self.launch_ct, self.step, [], 0
@@ -66,7 +68,7 @@ class LaunchRecording:
             taken += [("forward_slots", (launch, step, rid, first + index, slot))
                       for index, slot in enumerate(slots[offset:offset + count])]
             offset += count
-        self._emit_rows(taken)
+        return taken
 
     def on_mlx_launch(self, launch, batch, *, chained: bool) -> None:
         rids = []
@@ -83,9 +85,9 @@ class LaunchRecording:
             forward_iter, launch_ts, mode = batch.forward_iter, batch.launch_ts, mode_name(batch)
         else:
             forward_iter, launch_ts, mode = None, None, "decode"
-        self._record_launch(forward_iter=forward_iter, launch_ts=launch_ts, mode=mode,
-                            chained=chained, rids=rids,
-                            prefilled_tokens=prefilled_tokens(batch))
+        self._emit_rows([self._launch_row(forward_iter=forward_iter, launch_ts=launch_ts,
+                                          mode=mode, chained=chained, rids=rids,
+                                          prefilled_tokens=prefilled_tokens(batch))])
 
     def on_processed(self, batch, result) -> None:
         if self.resolving is not None:

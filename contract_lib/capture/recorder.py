@@ -41,11 +41,12 @@ class StepBudgetExceeded(RunEnd):
 class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
     """Records frames of one run and streams them through ``emit`` as they are taken.
 
-    Messages are ``("row", table, row)``, ``("rows", [(table, row), ...], slots)`` (rows
-    taken together, sent as soon as they are: a step boundary's whole frame, or the relay
-    rows of one read or write; ``slots`` holds ``(step, rid, req_pool_idx, [slot...],
-    [free...], [written...])`` per live request) and ``("update", table, key, value,
-    fields)``; nothing is buffered, so a dying child loses nothing taken.
+    Messages are ``("rows", [(table, row), ...], slots)`` (rows taken together, sent as
+    soon as they are: a step boundary's whole frame, the relay rows of one read or
+    write, a launch's row and its forward slots; ``slots`` holds ``(step, rid,
+    req_pool_idx, [slot...], [free...], [written...])`` per live request) and
+    ``("update", table, key, value, fields)``; nothing is buffered past the hook call
+    that took it, so a dying child loses nothing taken.
     """
 
     def __init__(self, scheduler, loop_spec: LoopSpec, workload: Workload, emit: Emit,

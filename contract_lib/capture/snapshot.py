@@ -115,7 +115,8 @@ class StepSnapshot:
         """``id(req)`` -> its ``seq_lens`` entry in the running batch, else in the last
         batch (requests in neither are absent)."""
         found: dict[int, int] = {}
-        for batch in (running, last):
+        # After a decode step the running batch is the last batch: read it once.
+        for batch in (running,) if last is running else (running, last):
             if batch is None or batch.is_empty() or batch.seq_lens is None:
                 continue
             for req, seq_len in zip(batch.reqs, batch.seq_lens.tolist()):
