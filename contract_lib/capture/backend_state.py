@@ -94,6 +94,7 @@ class BackendStateRecorder:
         self.s = scheduler
         self.per_request: set[str] = set()  # "object.attribute" found keyed by request ids
         self._layout: _Layout | None = None
+        self._current()  # read once when the hooks go in: set-up work, not a step's
 
     def _current(self) -> _Layout | None:
         """The backend's layout, read again only when its key changed."""
