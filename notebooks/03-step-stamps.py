@@ -18,8 +18,9 @@
 #
 # **The clause.** Every launch advances `forward_ct` by exactly one. The batch that
 # `process_batch_result` receives for that launch carries `forward_iter` equal to that
-# launch's `forward_ct`, and a `launch_ts` that is set, increases from launch to launch,
-# and is a stamp of the loop's clock (`time.monotonic()`) taken during the run.
+# launch's `forward_ct`, and a `launch_ts` that is set, is the stamp the batch had at its
+# launch, increases from launch to launch, and is a stamp of the loop's clock
+# (`time.monotonic()`) taken at the launch, between two step boundaries.
 #
 # **Who writes them.** On the torch loops, `run_batch` does. On MLX,
 # `_prepare_mlx_launch` (`hardware_backend/mlx/scheduler_mixin.py:92`) mirrors

@@ -249,7 +249,7 @@ def test_a_relay_overwritten_after_its_publish_breaks_clause_4(run_cached):
 
 
 @pytest.mark.parametrize("patch, expected", [
-    ("frozen_launch_ts", "> "), ("wall_clock_launch_ts", "(time.monotonic during the run)")])
+    ("frozen_launch_ts", "> "), ("wall_clock_launch_ts", "(time.monotonic around its launch")])
 def test_a_launch_ts_that_does_not_tick_on_the_loops_clock_breaks_clause_3(
         run_cached, patch, expected):
     """launch_ts must increase from launch to launch and be a stamp of the loop's clock
@@ -258,6 +258,16 @@ def test_a_launch_ts_that_does_not_tick_on_the_loops_clock_breaks_clause_3(
     first = report.clauses[3].first()
     assert report.clauses[3].status == VIOLATED and first["field"] == "launch_ts"
     assert expected in first["expected"]
+
+
+def test_a_batch_stamped_again_before_its_processing_breaks_clause_3(run_cached):
+    """The batch processed must carry the stamp of its launch: restamped just before
+    process_batch_result (increasing, on the loop's clock), it passed."""
+    report = check(run_cached("two-turn", "overlap", "user_patches:launch_ts_at_processing"),
+                   "rfc")
+    first = report.clauses[3].first()
+    assert report.clauses[3].status == VIOLATED and first["field"] == "launch_ts"
+    assert first["launch"] == 1 and first["expected"].endswith("(stamped at launch)")
 
 
 def test_in_flight_work_kept_outside_the_queue_is_still_in_flight(run_cached):

@@ -266,3 +266,16 @@ def renamed_runner_keeps_caches():
             runner._req_caches[req_id] = kept
 
     runner_class.remove_request = remove_request
+
+
+def launch_ts_at_processing():
+    """The overlap loop stamps each batch again just before its result is processed:
+    increasing, on the loop's clock, but not the time of its launch."""
+    from sglang.srt.managers.scheduler import Scheduler
+    from contract_lib.patches import patch_source
+
+    patch_source(Scheduler, "event_loop_overlap", [
+        ("            self.process_batch_result(tmp_batch, tmp_result)\n",
+         "            tmp_batch.launch_ts = time.monotonic()\n"
+         "            self.process_batch_result(tmp_batch, tmp_result)\n")],
+        "launch-ts-at-processing")

@@ -2,9 +2,10 @@
 
 Every launch advances ``forward_ct`` by exactly one; the batch ``process_batch_result``
 receives for it carries ``forward_iter == forward_ct`` of that launch and a set
-``launch_ts``: increasing over launches, and on the loop's clock (``time.monotonic()``,
-as SGLang stamps it and the frames' ``wall_time`` is taken): after the run's first step
-boundary, before the boundary that follows its processing.
+``launch_ts``: the stamp the batch had when it was launched (where the launch recorded
+one), increasing over launches, and taken at the launch on the loop's clock
+(``time.monotonic()``, as SGLang stamps it and the frames' ``wall_time`` is taken):
+between the step boundary the launch followed and the next one.
 """
 
 from __future__ import annotations
@@ -46,9 +47,11 @@ def check_stamps(frames: Frames) -> ClauseResult:
     missing = processed[ts.isna()]
     previous = ts.ffill().shift(1)
     backwards = processed[ts <= previous]
+    stamped = pd.to_numeric(processed["launch_ts"], errors="coerce")
+    restamped = processed[stamped.notna() & ts.notna() & (ts != stamped)]
     clock = frames.steps.set_index("step")["wall_time"]
-    earliest = float(clock.iloc[0])
-    latest = (processed["processed_step"] + 1).map(clock).fillna(float("inf"))
+    earliest = processed["step"].map(clock)
+    latest = (processed["step"] + 1).map(clock).fillna(float("inf"))
     off_clock = processed[(ts < earliest) | (ts > latest)]
     parts = []  # a table per kind of violation found (each ~1 ms of pandas to build)
     if len(bad_ct):
@@ -75,13 +78,21 @@ def check_stamps(frames: Frames) -> ClauseResult:
             [f"{value:.6f}" for value in ts[backwards.index]],
             "launch_ts did not advance between launches; _record_step_counters reads the "
             "time between them"))
+    if len(restamped):
+        parts.append(_rows(
+            "launch_ts", restamped, "processed_step",
+            [f"{value:.6f} (stamped at launch)" for value in stamped[restamped.index]],
+            [f"{value:.6f}" for value in ts[restamped.index]],
+            "the batch was stamped again after its launch; _record_step_counters reads "
+            "the time since its launch"))
     if len(off_clock):
         parts.append(_rows(
             "launch_ts", off_clock, "processed_step",
-            [f"between {earliest:.6f} and {high:.6f} (time.monotonic during the run)"
-             for high in latest[off_clock.index]],
+            [f"between {low:.6f} and {high:.6f} (time.monotonic around its launch, "
+             f"steps {step} to {step + 1})" for low, high, step in
+             zip(earliest[off_clock.index], latest[off_clock.index], off_clock["step"])],
             [f"{value:.6f}" for value in ts[off_clock.index]],
-            "launch_ts is not a stamp of the loop's clock taken during the run; "
+            "launch_ts is not a stamp of the loop's clock taken at the launch; "
             "_record_step_counters subtracts time.monotonic() stamps from it"))
     rows = pd.concat(parts or [pd.DataFrame(columns=["step"])])
     rows["step"] = rows["step"].astype("int64")
