@@ -248,6 +248,17 @@ def test_a_relay_overwritten_after_its_publish_breaks_clause_4(run_cached):
         "output_tokens_buf", 1, "a", "7 (stale)")
 
 
+def test_a_reader_that_feeds_other_rows_breaks_clause_4(run_cached):
+    """A read is what it fed the batch, not what the rows the capture expected held: a
+    reader that gathers a decode batch's rows in reverse passed as published."""
+    report = check(run_cached("two-turn", "overlap", "user_patches:relay_reader_flipped"),
+                   "rfc")
+    first = report.clauses[4].first()
+    assert report.clauses[4].status == VIOLATED
+    assert (first["field"], first["step"], first["rid"]) == ("output_tokens_buf", 1, "a")
+    assert "(last published: " in first["explanation"]
+
+
 @pytest.mark.parametrize("patch, expected", [
     ("frozen_launch_ts", "> "), ("wall_clock_launch_ts", "(time.monotonic around its launch")])
 def test_a_launch_ts_that_does_not_tick_on_the_loops_clock_breaks_clause_3(

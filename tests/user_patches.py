@@ -279,3 +279,23 @@ def launch_ts_at_processing():
          "            tmp_batch.launch_ts = time.monotonic()\n"
          "            self.process_batch_result(tmp_batch, tmp_result)\n")],
         "launch-ts-at-processing")
+
+
+def relay_reader_flipped():
+    """The relay reader gathers a decode batch's rows in reverse order when it has two or
+    more requests: each request is fed another request's token (the rows themselves hold
+    what was published)."""
+    from sglang.srt.hardware_backend.mlx import scheduler_mixin
+    from sglang.srt.managers import overlap_utils, scheduler as scheduler_module
+
+    real = overlap_utils.resolve_forward_inputs
+
+    def resolve_forward_inputs(batch, future_map):
+        if (batch.prefill_input_ids_cpu is None and batch.input_ids is None
+                and future_map.spec_algo.is_none() and len(batch.reqs) >= 2):
+            batch.input_ids = future_map.output_tokens_buf[batch.req_pool_indices.flip(0)]
+            return None
+        return real(batch, future_map)
+
+    scheduler_module.resolve_forward_inputs = resolve_forward_inputs
+    scheduler_mixin.resolve_forward_inputs = resolve_forward_inputs

@@ -132,11 +132,15 @@ class HookInstaller:
         future_map.stash_bonus_tokens = stash_bonus_tokens
 
     def _relay_reader(self, real_resolve):
-        """``resolve_forward_inputs`` as one module calls it, its reads recorded first."""
+        """``resolve_forward_inputs`` as one module calls it, its reads recorded with
+        what they fed the batch."""
 
         def resolve_forward_inputs(batch, fmap):
-            self.on_relay_read(batch, fmap)
-            return real_resolve(batch, fmap)
+            lanes = self.relay_lanes(batch, fmap)
+            out = real_resolve(batch, fmap)
+            if lanes is not None:
+                self.on_relay_read(batch, fmap, lanes)
+            return out
 
         return resolve_forward_inputs
 

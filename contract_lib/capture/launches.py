@@ -110,20 +110,32 @@ class LaunchRecording:
                 return rid
         return None
 
-    def on_relay_read(self, batch, future_map) -> None:
+    @staticmethod
+    def relay_lanes(batch, future_map) -> tuple[list[int], str, list[str]] | None:
+        """Before ``resolve_forward_inputs``: the relay rows it will read and for which
+        requests (a decode batch: every lane; a mixed batch: its running lanes, last),
+        or None when it reads none (it clears what says so)."""
         if batch.prefill_input_ids_cpu is not None:
             if batch.mix_running_indices is None:
-                return
-            rows, kind = tolist(batch.mix_running_indices), "mixed"
-            rids = [req.rid for req in batch.reqs[len(batch.reqs) - len(rows):]]
-        elif batch.input_ids is None and future_map.spec_algo.is_none():
-            rows, kind = tolist(batch.req_pool_indices), "decode"
-            rids = [req.rid for req in batch.reqs]
-        else:
-            return
-        # numpy indexes a few rows in ~1 µs (torch ~15 µs from a list); a view, no copy
-        values = (self.relay_view.of(future_map.output_tokens_buf)[rows].tolist()
-                  if rows else [])
+                return None
+            rows = tolist(batch.mix_running_indices)
+            return rows, "mixed", [req.rid for req in batch.reqs[len(batch.reqs) - len(rows):]]
+        if batch.input_ids is None and future_map.spec_algo.is_none():
+            return tolist(batch.req_pool_indices), "decode", [req.rid for req in batch.reqs]
+        return None
+
+    def on_relay_read(self, batch, future_map, lanes: tuple[list[int], str, list[str]]) -> None:
+        """After ``resolve_forward_inputs``: what each lane was fed (the last ids of
+        ``batch.input_ids``, one per relay row), against what its row last published.
+        The fed ids, not the rows' contents: a reader that gathers other rows is seen.
+        A reader that fed nothing is read through the rows it should have gathered."""
+        rows, kind, rids = lanes
+        fed = batch.input_ids
+        if fed is not None and hasattr(fed, "tolist") and len(fed) >= len(rows):
+            values = fed[len(fed) - len(rows):].tolist() if rows else []
+        else:  # numpy indexes a few rows in ~1 µs (torch ~15 µs from a list)
+            values = (self.relay_view.of(future_map.output_tokens_buf)[rows].tolist()
+                      if rows else [])
         taken = []
         for row, rid, value in zip(rows, rids, values):
             written = self.relay_written.get(row)

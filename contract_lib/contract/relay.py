@@ -1,9 +1,9 @@
 """Clause 4, relays published or provably unread (field ``output_tokens_buf``).
 
-Every read of ``future_map.output_tokens_buf`` by ``resolve_forward_inputs`` sees the
-value the loop last published to that row for that request's latest token (published: as
-the row held it after the stash, and unchanged since). A loop that never reads the relay
-satisfies the clause (provably unread).
+Every read of ``future_map.output_tokens_buf`` by ``resolve_forward_inputs`` feeds each
+lane (``batch.input_ids``) the value the loop last published to that lane's row for that
+request's latest token (published: as the row held it after the stash, and unchanged
+since). A loop that never reads the relay satisfies the clause (provably unread).
 """
 
 from __future__ import annotations
@@ -14,6 +14,10 @@ from contract_lib import loops
 from contract_lib.contract.base import ClauseResult, HOLDS, ints, result, violations
 from contract_lib.contract.registry import clause
 from contract_lib.frames import Frames
+
+
+def _published(value) -> str:
+    return "nothing" if pd.isna(value) else str(int(value))
 
 
 def _decode_launches(frames: Frames) -> int:
@@ -52,6 +56,8 @@ def check_relay(frames: Frames) -> ClauseResult:
         "launch": bad["launch"], "rid": bad["rid"],
         "expected": "the token last published for this request",
         "actual": ints(bad["value"]) + " (" + written + ")",
-        "explanation": "row " + ints(bad["row"]) + " read unpublished; the value " + fate})
+        "explanation": "row " + ints(bad["row"]) + " (last published: "
+                       + bad["last_published"].map(_published) + ") read unpublished; "
+                       "the value " + fate})
     note = f"{len(reads)} relay reads checked"
     return result(4, loop, rows, note)
