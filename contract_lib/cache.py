@@ -7,13 +7,17 @@ digest, the diffs' text), the SGLang the run imports (the venv's, or the folder 
 with ``sglang=`` / ``diff=``: version, and the path, size and mtime of every file of the
 package, so an edited install is a different key), the
 versions of torch, mlx, mlx-lm and Python, this library's own source and data files, the
-source of any user patch module, and the ``SGL*`` environment variables SGLang reads.
+source of any user patch module, the ``SGL*`` environment variables SGLang reads, and the
+files of any folder or file a server arg names (``model_path``: the model's config).
 Only ``finished`` runs are stored; faults always rerun.
 
 What the key cannot know in advance, the entry records: the file and sha256 of every
 module the run loaded from outside the installed code (a user patch and the helper
-modules it imports; reported by the run's child, :func:`user_modules`). An entry is
-served only while those files are unchanged, and only if it is a frames file of this
+modules it imports; reported by the run's child, :func:`user_modules`), and the file each
+of their names was imported from. An entry is served only while those files are
+unchanged and each name would still be imported from the same file (``sys.path`` and the
+working directory as they are now; a package or a symlink put in its way is another
+file), and only if it is a frames file of this
 schema whose meta matches the run asked for; anything else is deleted with a one-line
 :class:`CacheWarning` and the run executes again. Storing is best effort: an unwritable
 or full directory costs one warning, never the run. Entries are written atomically.
@@ -139,7 +143,31 @@ def key(spec: dict[str, Any], sglang_dir: Path | None = None) -> str:
     carries (``sglang_source``)."""
     return _digest([SCHEMA_VERSION, spec, _environment_fingerprint(sglang_dir),
                     _library_fingerprint(), _patch_sources(spec.get("patch")),
-                    sglang_environment()])
+                    sglang_environment(), _named_paths(spec)])
+
+
+_SMALL_FILE = 1 << 20  # bytes: a named folder's larger files count by size and mtime
+
+
+def _named_paths(spec: dict[str, Any]) -> list[tuple[str, list]]:
+    """What each server arg that names an existing file or folder holds (``model_path``:
+    SGLang reads the model's config there): per file (a folder's own files, not its
+    subfolders), its name, size and sha256 (mtime past :data:`_SMALL_FILE`)."""
+    args = {**spec.get("workload", {}).get("server_args", {}), **spec.get("server_args", {})}
+    found = []
+    for name, value in sorted(args.items()):
+        if not (isinstance(value, str) and value and os.path.exists(value)):
+            continue
+        path = Path(value)
+        files = [path] if path.is_file() else sorted(
+            entry for entry in path.iterdir() if entry.is_file())
+        held = []
+        for file in files:
+            size = file.stat().st_size
+            held.append((file.name, size, _file_hash(str(file)) if size <= _SMALL_FILE
+                         else file.stat().st_mtime_ns))
+        found.append((name, held))
+    return found
 
 
 # -- user modules (what the key cannot know before the run) --------------------------------
@@ -159,8 +187,8 @@ def _installed_roots() -> tuple[str, ...]:
              *site.getsitepackages(), site.getusersitepackages(), str(releases_dir()),
              str(omni_root())}  # sglang-omni's folder is keyed by its install stamp
     sglang = sys.modules.get("sglang")
-    if getattr(sglang, "__file__", None):
-        roots.add(str(Path(sglang.__file__).parent.parent))
+    if getattr(sglang, "__file__", None):  # the package itself: a module beside it in a
+        roots.add(str(Path(sglang.__file__).parent))  # source tree's python/ is a user's
     return tuple({os.path.join(resolve(root), "")
                   for root in roots if root for resolve in (os.path.abspath, os.path.realpath)})
 
@@ -175,7 +203,7 @@ def _file_hash(path: str) -> str | None:
 
 # (In a warm server's forked run.) The modules the server had loaded, by identity, and
 # what :func:`user_modules` found among them (see :func:`remember_loaded_modules`).
-_LOADED_BEFORE: tuple[dict[str, int], dict[str, str | None]] = ({}, {})
+_LOADED_BEFORE: tuple[dict[str, int], dict[str, str | None], dict[str, str]] = ({}, {}, {})
 
 
 def remember_loaded_modules() -> None:
@@ -185,10 +213,10 @@ def remember_loaded_modules() -> None:
     import sys
 
     global _LOADED_BEFORE
-    _LOADED_BEFORE = ({}, {})
-    found = user_modules()
+    _LOADED_BEFORE = ({}, {}, {})
+    files, names = user_modules()
     _LOADED_BEFORE = ({name: id(module) for name, module in list(sys.modules.items())},
-                      found)
+                      files, names)
 
 
 def _modules_since_fork() -> list[tuple[str, Any]]:
@@ -218,15 +246,17 @@ def _modules_since_fork() -> list[tuple[str, Any]]:
     return list(sys.modules.items())
 
 
-def user_modules() -> dict[str, str | None]:
+def user_modules() -> tuple[dict[str, str | None], dict[str, str]]:
     """Called in the run's child at the end of the run: ``{file: sha256}`` of every
     loaded module whose file lies outside the installed code (:func:`_installed_roots`)
     and is not one of this library's modules (those are in the key): a user patch,
     every module of the user's own that it imported, and any other module of this
-    checkout. None for a file that cannot be read (such a run is not cached)."""
+    checkout. None for a file that cannot be read (such a run is not cached). And
+    ``{module name: file}`` of the same modules (files as real paths)."""
     roots = _installed_roots()
     keyed: set[str] | None = None  # this library's files (~1 ms of realpath): when needed
-    loaded_before, found = _LOADED_BEFORE[0], dict(_LOADED_BEFORE[1])
+    loaded_before = _LOADED_BEFORE[0]
+    found, names = dict(_LOADED_BEFORE[1]), dict(_LOADED_BEFORE[2])
     for name, module in _modules_since_fork():
         if loaded_before.get(name) == id(module):
             continue  # the warm server's, looked at before the fork
@@ -243,7 +273,25 @@ def user_modules() -> dict[str, str | None]:
             keyed = {os.path.realpath(file) for file in LIBRARY_FILES}
         if not path.startswith(roots) and path not in keyed:
             found[path] = _file_hash(path)
-    return dict(sorted(found.items()))
+            names[name] = path
+    return dict(sorted(found.items())), dict(sorted(names.items()))
+
+
+def _module_file(name: str) -> str | None:
+    """The real path of the file ``name`` would be imported from now (``sys.path`` as it
+    is, the parent packages' folders), found without importing anything; None when
+    no file would be found."""
+    from importlib.machinery import PathFinder
+
+    parts, search, spec = name.split("."), None, None
+    for depth in range(1, len(parts) + 1):
+        if depth > 1 and search is None:
+            return None  # the parent is not a package
+        spec = PathFinder.find_spec(".".join(parts[:depth]), search)
+        if spec is None:
+            return None
+        search = spec.submodule_search_locations
+    return os.path.realpath(spec.origin) if isinstance(spec.origin, str) else None
 
 
 # -- entries ----------------------------------------------------------------------------------
@@ -331,6 +379,11 @@ def load(run_key: str, expected: dict[str, Any]) -> Frames | None:
         return None
     if any(_file_hash(p) != h for p, h in meta["user_modules"].items()):
         return None
+    names = meta.get("user_module_names", {})
+    if names:
+        importlib.invalidate_caches()  # a file or folder created since the last import
+        if any(_module_file(name) != path for name, path in names.items()):
+            return None  # a name would now be imported from another file: run it
     frames = Frames.from_payload(payload)
     for name in ("cache_key", "tables_sha256"):
         del frames.meta[name]

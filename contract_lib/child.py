@@ -155,7 +155,8 @@ def child_run(spec: dict[str, Any], conn: Connection, journal_fd: int) -> None:
             if status == "finished":
                 status, error = "crashed", error_record(str(exc), exc, "kv-pool-inspection")
     timing["total_s"] = time.perf_counter() - started
-    emit(("meta", {"user_modules": frame_cache.user_modules()}))  # the cache verifies them
+    files, names = frame_cache.user_modules()  # the cache verifies them
+    emit(("meta", {"user_modules": files, "user_module_names": names}))
     emit(("meta", {"timing": timing}))
     emit(("end", status, error))
     conn.close()

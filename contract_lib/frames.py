@@ -134,6 +134,7 @@ class RunMeta(RequiredMeta, total=False):
     enable_overlap_mlx: bool
     timing: dict[str, float]  # the child's wall times (s): import, build, loop, total; loop CPU
     user_modules: dict[str, str | None]  # user modules the run loaded -> sha256
+    user_module_names: dict[str, str]  # their module names -> the file each was loaded from
     omni_version: str  # loop omni: the sglang-omni release
     kv_pool: dict[str, Any]  # real MLX runner: the pool's verdict inputs
     cached: bool  # served from the frame cache

@@ -75,8 +75,18 @@ def installed_version(dist: str) -> str | None:
     return dict((entry[0], entry[1]) for entry in install_stamp()).get(dist)
 
 
+# The variables without the SGL prefix that the scheduler's own code reads
+# (``managers/schedule_policy.py``, at import: the in-batch prefix caching thresholds of
+# ``lpm``), found by scanning ``srt/managers``, ``srt/mem_cache`` and the MLX backend of
+# 0.5.21-0.5.23; the others there configure storage backends these runs do not build.
+SCHEDULER_ENVIRONMENT = ("IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD",
+                         "IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD")
+
+
 def sglang_environment() -> list[tuple[str, str]]:
-    """The ``SGL*`` environment variables, sorted: SGLang reads them at import and in its
-    code paths (e.g. ``SGLANG_IS_IN_CI`` arms the relay's debug asserts), so runs under
-    other values are other runs (the frame cache's key) in other servers."""
-    return sorted((k, v) for k, v in os.environ.items() if k.startswith("SGL"))
+    """The ``SGL*`` environment variables and :data:`SCHEDULER_ENVIRONMENT`, sorted:
+    SGLang reads them at import and in its code paths (e.g. ``SGLANG_IS_IN_CI`` arms the
+    relay's debug asserts), so runs under other values are other runs (the frame cache's
+    key) in other servers."""
+    return sorted((k, v) for k, v in os.environ.items()
+                  if k.startswith("SGL") or k in SCHEDULER_ENVIRONMENT)

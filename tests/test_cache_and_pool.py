@@ -72,9 +72,19 @@ def test_key_changes_with_everything_that_determines_a_run(monkeypatch, tmp_path
     assert cache.key(_spec()) != base
     monkeypatch.undo()
     assert cache.key(_spec()) == base
+    # the contents of a folder a server arg names (SGLang reads the model's config there)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"max_position_embeddings": 1024}')
+    named = cache.key(_spec(server_args={"model_path": str(model)}))
+    (model / "config.json").write_text('{"max_position_embeddings": 20}')
+    assert cache.key(_spec(server_args={"model_path": str(model)})) != named
     # an environment variable SGLang reads (its server is another one too)
     server = serverdir.server_key(None)
     monkeypatch.setenv("SGLANG_IS_IN_CI", "contract-lib-test")
+    assert cache.key(_spec()) != base and serverdir.server_key(None) != server
+    monkeypatch.undo()
+    monkeypatch.setenv("IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD", "1000")  # no SGL
     assert cache.key(_spec()) != base and serverdir.server_key(None) != server
     monkeypatch.undo()
     # the library's own source

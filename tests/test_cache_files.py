@@ -124,6 +124,70 @@ def test_editing_a_helper_module_of_a_user_patch_runs_again(private_cache, tmp_p
     assert len(_entries(private_cache)) == 1  # the rerun replaced the stale entry
 
 
+def test_a_helper_shadowed_on_the_path_runs_again(private_cache, tmp_path, monkeypatch):
+    """The same helper name found first in another folder (another ``PYTHONPATH`` order,
+    another working directory) is another file: the entry, whose recorded files are
+    unchanged, must not be served."""
+    tag = tmp_path.name.replace("-", "_")
+    first_dir, shadow_dir = tmp_path / "a", tmp_path / "b"
+    first_dir.mkdir(), shadow_dir.mkdir()
+    (first_dir / f"cf_patch_{tag}.py").write_text(PATCH_MODULE.format(tag=tag))
+    (first_dir / f"cf_helper_{tag}.py").write_text("OFFSET = 0\n")
+    (shadow_dir / f"cf_helper_{tag}.py").write_text("OFFSET = 1\n")
+    monkeypatch.syspath_prepend(str(first_dir))
+
+    def run():  # cold: the child imports with this process's sys.path
+        return contract_lib.run("single-decode", "normal", patch=f"cf_patch_{tag}:apply",
+                                warm=False)
+
+    assert _offsets(run()) == {0} and run().meta.get("cached") is True
+    monkeypatch.syspath_prepend(str(shadow_dir))
+    shadowed = run()
+    assert "cached" not in shadowed.meta and _offsets(shadowed) == {1}
+
+
+@pytest.mark.fast
+def test_a_module_beside_a_source_trees_sglang_is_a_users(tmp_path, monkeypatch):
+    """The SGLang the run imported is installed code; a helper module beside its package
+    (a source tree's ``python/``, which the tree digest does not cover) is the user's."""
+    import types
+
+    package = tmp_path / "python" / "sglang"
+    package.mkdir(parents=True)
+    sglang = types.ModuleType("sglang")
+    sglang.__file__ = str(package / "__init__.py")
+    monkeypatch.setitem(sys.modules, "sglang", sglang)
+    roots = cache._installed_roots()
+    assert str(package.resolve()) + os.sep in roots
+    assert not str(tmp_path / "python" / "reviewhelper.py").startswith(roots)
+
+
+@pytest.mark.fast
+def test_a_module_name_is_resolved_again_without_importing(tmp_path, monkeypatch):
+    """What the cache compares: the file a name would be imported from now. A package
+    of the same name beats the module; a retargeted symlink is its new target."""
+    tag = tmp_path.name.replace("-", "_")
+    name = f"cf_resolved_{tag}"
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "impl_a.py").write_text("X = 1\n")
+    (tmp_path / "impl_b.py").write_text("X = 2\n")
+    link = tmp_path / f"{name}.py"
+    link.symlink_to("impl_a.py")
+    assert cache._module_file(name) == str((tmp_path / "impl_a.py").resolve())
+    link.unlink()
+    link.symlink_to("impl_b.py")
+    assert cache._module_file(name) == str((tmp_path / "impl_b.py").resolve())
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "__init__.py").write_text("X = 3\n")
+    import importlib
+
+    importlib.invalidate_caches()
+    assert cache._module_file(name) == str((tmp_path / name / "__init__.py").resolve())
+    assert cache._module_file(f"{name}.missing") is None
+    assert cache._module_file(f"cf_nowhere_{tag}") is None
+    assert name not in sys.modules  # nothing was imported
+
+
 def test_user_modules_lists_only_files_outside_the_installed_code(tmp_path, monkeypatch):
     import importlib
 
@@ -132,8 +196,9 @@ def test_user_modules_lists_only_files_outside_the_installed_code(tmp_path, monk
     importlib.import_module("cf_user_module")
     import pandas  # noqa: F401  (site-packages)
 
-    found = cache.user_modules()
+    found, names = cache.user_modules()
     assert str((tmp_path / "cf_user_module.py").resolve()) in found
+    assert names["cf_user_module"] == str((tmp_path / "cf_user_module.py").resolve())
     assert not [path for path in found if "site-packages" in path or "/lib/python3" in path]
     assert not set(found) & {str(path.resolve()) for path in cache.LIBRARY_FILES}
     # The whole package is in the key; this checkout's other modules (the tests) are not.
@@ -151,7 +216,7 @@ def test_a_forked_run_looks_only_at_the_modules_it_loaded(tmp_path, monkeypatch)
     for name in ("before", "after"):
         (tmp_path / f"cf_{name}_{tag}.py").write_text("X = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(cache, "_LOADED_BEFORE", ({}, {}))
+    monkeypatch.setattr(cache, "_LOADED_BEFORE", ({}, {}, {}))
     importlib.import_module(f"cf_before_{tag}")
     cache.remember_loaded_modules()  # the server, before its first fork
     importlib.import_module(f"cf_after_{tag}")  # the run's own import
@@ -159,7 +224,7 @@ def test_a_forked_run_looks_only_at_the_modules_it_loaded(tmp_path, monkeypatch)
     real_file_hash = cache._file_hash
     monkeypatch.setattr(cache, "_file_hash", lambda path: looked_at.append(path)
                         or real_file_hash(path))
-    found = cache.user_modules()
+    found, _ = cache.user_modules()
     before, after = (str((tmp_path / f"cf_{name}_{tag}.py").resolve())
                      for name in ("before", "after"))
     assert {before, after} <= set(found)
@@ -170,7 +235,7 @@ def test_a_forked_run_looks_only_at_the_modules_it_loaded(tmp_path, monkeypatch)
     # ... unless the server's last entry moved to the end: then all of them.
     last = next(reversed(cache._LOADED_BEFORE[0]))
     monkeypatch.setitem(sys.modules, last, sys.modules.pop(last))
-    assert after in cache.user_modules()
+    assert after in cache.user_modules()[0]
 
 
 @pytest.mark.fast
