@@ -281,6 +281,16 @@ def test_a_batch_stamped_again_before_its_processing_breaks_clause_3(run_cached)
     assert first["launch"] == 1 and first["expected"].endswith("(stamped at launch)")
 
 
+def test_an_in_flight_term_kept_only_for_a_plain_call_breaks_clause_5(run_cached):
+    """The predicate is asked as each caller asks: one that tells the health check and
+    the flush idle while a job is queued (a plain call still says busy) passed."""
+    report = check(run_cached("two-turn", "overlap",
+                              "user_patches:idle_in_flight_term_only_by_default"), "rfc")
+    first = report.clauses[5].first()
+    assert report.clauses[5].status == MASKED and first["step"] == 1
+    assert first["actual"] == "idle with 1 job(s) queued"
+
+
 def test_in_flight_work_kept_outside_the_queue_is_still_in_flight(run_cached):
     """In-flight work is also read from the launches (made earlier, processed at this
     step or later): a loop that keeps it outside ``result_queue`` was 'not exercised'."""

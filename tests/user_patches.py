@@ -299,3 +299,16 @@ def relay_reader_flipped():
 
     scheduler_module.resolve_forward_inputs = resolve_forward_inputs
     scheduler_mixin.resolve_forward_inputs = resolve_forward_inputs
+
+
+def idle_in_flight_term_only_by_default():
+    """``is_fully_idle`` keeps its in-flight term only for a plain call: the health check
+    (``for_health_check``) and the flush (``ignore_waiting``) are told idle while a job
+    is in ``result_queue``."""
+    from sglang.srt.managers.scheduler import Scheduler
+    from contract_lib.patches import patch_source
+
+    patch_source(Scheduler, "is_fully_idle", [
+        ("(not self.enable_overlap or len(self.result_queue) == 0)",
+         "(not self.enable_overlap or ignore_waiting or for_health_check"
+         " or len(self.result_queue) == 0)")], "idle-term-default-only")

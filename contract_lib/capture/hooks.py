@@ -66,6 +66,7 @@ class HookInstaller:
             self._install_mlx_launch_hooks()
         self.backend = BackendStateRecorder(self.s)
         self.find_invariant_checker()
+        self.find_idle_arguments()
 
     def _install_abort_output_hook(self) -> None:
         """Record every ``AbortReq`` SGLang sends back for a request (each caller ends

@@ -69,15 +69,29 @@ class StepSnapshot:
         self.emit(("rows", rows, slot_rows))
 
     def _idle_probe(self) -> bool:
-        """``is_fully_idle()`` with every term but the in-flight one masked to idle."""
+        """``is_fully_idle`` with every term but the in-flight one masked to idle, as each
+        of its callers asks (no arguments; the health check's ``for_health_check``, the
+        flush's and the memory release's ``ignore_waiting``, where the release has
+        them): True when any of them says idle. The callers' arguments are tried only
+        when the plain call says busy (work in flight)."""
         s = self.s
         saved = (s.running_batch, s.last_batch, s.chunked_req, s.waiting_queue)
         try:
             s.running_batch = EmptyBatch()
             s.last_batch, s.chunked_req, s.waiting_queue = None, None, []
-            return bool(s.is_fully_idle())
+            return bool(s.is_fully_idle()) or any(
+                bool(s.is_fully_idle(**{argument: True})) for argument in self.idle_arguments)
         finally:
             s.running_batch, s.last_batch, s.chunked_req, s.waiting_queue = saved
+
+    def find_idle_arguments(self) -> None:
+        """Set ``idle_arguments``: the flags of ``is_fully_idle`` its callers set
+        (``for_health_check``, ``ignore_waiting``) that this scheduler's takes."""
+        import inspect
+
+        accepted = inspect.signature(self.s.is_fully_idle).parameters
+        self.idle_arguments = [name for name in ("for_health_check", "ignore_waiting")
+                               if name in accepted]
 
     def _pool_terms(self) -> dict[str, Any]:
         """SGLang's own KV pool conservation terms (``InvariantChecker``), and its verdict."""

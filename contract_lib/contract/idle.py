@@ -3,8 +3,10 @@ loop's in-flight term, :attr:`contract_lib.loops.LoopSpec.in_flight`).
 
 Whenever an overlap loop holds in-flight work, ``is_fully_idle`` evaluated with every
 other term masked to idle (running batch empty, last batch, chunked request and waiting
-queue none) says "not idle". If the masked probe says idle while the real predicate said
-busy, the answer was right only by accident: ``violated-masked``.
+queue none) says "not idle", asked as each of its callers asks (no arguments, the health
+check's ``for_health_check``, the flush's ``ignore_waiting``). If the masked probe says
+idle while the real predicate said busy, the answer was right only by accident:
+``violated-masked``.
 
 In-flight work at a step boundary is what the loop's in-flight term holds
 (``result_queue_len``) or a launch made at an earlier step and processed at this one or
