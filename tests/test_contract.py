@@ -248,6 +248,21 @@ def test_a_relay_overwritten_after_its_publish_breaks_clause_4(run_cached):
         "output_tokens_buf", 1, "a", "7 (stale)")
 
 
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+def test_slots_permuted_inside_the_protected_prefix_break_clause_1(run_cached, loop):
+    """A slot's KV must be of the position it is recorded at, inside the radix-protected
+    prefix too: two of a request's own slots swapped before each radix insert (the pool
+    balances, no slot is another request's) passed."""
+    report = check(run_cached("two-turn", loop, "user_patches:checkpoint_swaps_last_two"),
+                   "rfc")
+    first = report.clauses[1].first()
+    assert report.clauses[1].status == VIOLATED
+    assert (first["field"], first["rid"]) == ("req_to_token", "a")
+    assert first["expected"].endswith("at position 14")
+    assert report.clauses[1].violations["actual"].str.contains(
+        "holds the KV of position").any()
+
+
 def test_a_reader_that_feeds_other_rows_breaks_clause_4(run_cached):
     """A read is what it fed the batch, not what the rows the capture expected held: a
     reader that gathers a decode batch's rows in reverse passed as published."""

@@ -312,3 +312,25 @@ def idle_in_flight_term_only_by_default():
         ("(not self.enable_overlap or len(self.result_queue) == 0)",
          "(not self.enable_overlap or ignore_waiting or for_health_check"
          " or len(self.result_queue) == 0)")], "idle-term-default-only")
+
+
+def checkpoint_swaps_last_two():
+    """Before each radix insert (``checkpoint``) the request's last two slots up to the
+    insert point trade places in its row: the set of slots is the same (the pool
+    balances) and the positions move inside the protected prefix, but each of the two
+    now names the other position's KV."""
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    for cls in (RadixCache, UnifiedRadixCache):
+        real = cls.checkpoint
+
+        def checkpoint(self, req, *, up_to, _real=real, **kwargs):
+            start = req.kv.cache_protected_len
+            if up_to - start >= 2:
+                row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
+                first, second = int(row[up_to - 2]), int(row[up_to - 1])
+                row[up_to - 2], row[up_to - 1] = second, first
+            return _real(self, req, up_to=up_to, **kwargs)
+
+        cls.checkpoint = checkpoint

@@ -16,6 +16,7 @@ than SGLang's queue still holds it.
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 from contract_lib import loops
@@ -32,11 +33,16 @@ def _launched_in_flight(frames: Frames) -> pd.Series:
     """Per step: launches made at an earlier step and processed at this step or later (a
     launch never processed, e.g. one dropped unprocessed, is not counted)."""
     launches = frames.launches[frames.launches["processed_step"].notna()]
-    made = launches["step"].to_numpy()
-    processed = launches["processed_step"].to_numpy()
-    steps = frames.steps["step"].to_numpy()
-    counts = ((made[None, :] < steps[:, None])
-              & (steps[:, None] <= processed[None, :])).sum(axis=1)
+    made = launches["step"].to_numpy(dtype="float64")
+    processed = launches["processed_step"].to_numpy(dtype="float64")
+    steps = frames.steps["step"].to_numpy(dtype="float64")
+    if (processed >= made).all():  # as a loop records them: made < s <= processed is
+        # made < s, less processed < s (which implies it), counted in sorted arrays
+        counts = (np.searchsorted(np.sort(made), steps, side="left")
+                  - np.searchsorted(np.sort(processed), steps, side="left"))
+    else:  # crafted frames: each pair compared (quadratic)
+        counts = ((made[None, :] < steps[:, None])
+                  & (steps[:, None] <= processed[None, :])).sum(axis=1)
     return pd.Series(counts, index=frames.steps.index)
 
 

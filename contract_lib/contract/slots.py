@@ -11,7 +11,10 @@ for another request. At the boundary after a torch launch, a position it compute
 the request's protected prefix records the slot its forward wrote that position's KV
 to (``forward_slots``); another slot is ``misplaced``: the KV is elsewhere than the
 scheduler says (inside the protected prefix the radix tree's slot stands, which may be
-another request's copy of the same KV).
+another request's copy of the same KV). And wherever every launch recorded its forward
+slots (the torch loops and omni), a slot's KV must be of the position it is recorded at:
+an entry whose slot a forward last wrote at another position is ``misplaced`` too (a
+radix-shared slot was written at the same position of the same prefix).
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ def slot_states(frames: Frames) -> pd.DataFrame:
     the row's previous holder, a slot the radix tree keeps for another request),
     ``misplaced`` (at the boundary after a torch launch, a position it computed, past the
     protected prefix, whose entry is not the slot the forward wrote its KV to; adds
-    ``forward_slot``). The first
+    ``forward_slot``; or, when every launch recorded its forward slots, an entry whose
+    slot a forward last wrote at another position; adds ``slot_position``). The first
     of ``slot 0``, ``free``, ``shared``, ``stale``, ``misplaced`` that applies wins.
     """
     alive = live(frames.requests)[["step", "rid", "kv_computed", "cache_protected_len"]]
@@ -50,6 +54,7 @@ def slot_states(frames: Frames) -> pd.DataFrame:
         columns={"slot": "forward_slot"})[["step", "rid", "position", "forward_slot"]]
     slots = slots.merge(forward.drop_duplicates(["step", "rid", "position"], keep="last"),
                         on=["step", "rid", "position"], how="left")
+    slots = slots.merge(_slot_positions(frames), on=["step", "slot"], how="left")
     computed = slots["position"] < slots["kv_computed"]
     inside = slots[computed]
     # Only a slot entered more than once at a step can be shared: group those alone.
@@ -70,12 +75,36 @@ def slot_states(frames: Frames) -> pd.DataFrame:
     state[computed & slots["forward_slot"].notna()
           & (slots["position"] >= slots["cache_protected_len"])
           & (slots["slot"] != slots["forward_slot"])] = "misplaced"
+    state[computed & slots["slot_position"].notna()
+          & (slots["slot_position"] != slots["position"])] = "misplaced"
     written = slots["written"] if "written" in slots else pd.Series(True, index=slots.index)
     state[computed & (written == False)] = "stale"  # noqa: E712 - None means unknown
     state[shared] = "shared"
     state[computed & slots["slot_free"].astype(bool)] = "free"
     state[computed & (slots["slot"] == 0)] = "slot 0"
     return slots.assign(state=state)
+
+
+def _slot_positions(frames: Frames) -> pd.DataFrame:
+    """``(step, slot, slot_position)``: at each step boundary, the position a forward
+    last wrote each slot's KV at, for every slot the run's ``slots`` entries name. Empty
+    unless every launch that computed positions recorded its forward slots (the MLX
+    loop's do not; a batch shape the capture could not read records none)."""
+    columns = {"step": "int64", "slot": "int64", "slot_position": "float64"}
+    forward, launches = frames.forward_slots, frames.launches
+    computing = launches[launches["mode"].isin(["extend", "decode", "mixed"])
+                         & ~launches["chained"].astype(bool)]
+    if forward.empty or not set(computing["launch"]) <= set(forward["launch"]):
+        return pd.DataFrame({name: pd.Series(dtype=kind) for name, kind in columns.items()})
+    # A write at step s is seen from the boundary s + 1 on; the last one wins.
+    writes = forward.sort_values("launch").assign(step=forward["step"] + 1).drop_duplicates(
+        ["step", "slot"], keep="last")[["step", "slot", "position"]].astype("int64")
+    entries = frames.slots[["step", "slot"]].astype("int64").drop_duplicates().sort_values(
+        "step")
+    found = pd.merge_asof(entries, writes.sort_values("step"), on="step", by="slot",
+                          direction="backward")
+    return found.rename(columns={"position": "slot_position"}).astype(
+        {"slot_position": "float64"})
 
 
 @clause(1, "slots recorded", fields=("req_to_token",),
@@ -94,33 +123,39 @@ def check_slots(frames: Frames) -> ClauseResult:
         return result(1, loop, _NO_ROWS, note)
     padding, free, shared, stale, misplaced = (bad["state"] == kind
                                                for kind in BAD_SLOT_STATES)
+    elsewhere = misplaced & bad["forward_slot"].notna() & (bad["slot"] != bad["forward_slot"])
+    moved = misplaced & ~elsewhere
+    # Each kind's text is built for its own rows only (a run can have ~10^5 of them).
     slot = "slot " + ints(bad["slot"])
-    others = pd.Series("", index=bad.index)
+    actual, explanation = slot.copy(), pd.Series(
+        "another live request's slot: a pool sync would overwrite its KV", index=bad.index)
     if shared.any():
         rids = bad[shared].groupby(["step", "slot"])["rid"].transform(
             lambda group: ", ".join(sorted(set(group))))
-        others[shared] = [", ".join(r for r in all_.split(", ") if r != own)
-                          for all_, own in zip(rids, bad.loc[shared, "rid"])]
-    actual = slot.where(~free, slot + " (free)").where(~shared, slot + " (also held by "
-                                                        + others + ")")
-    actual = actual.where(~padding, "slot 0").where(
-        ~stale, slot + " (never written for " + bad["rid"] + ")").where(
-        ~misplaced, slot + " (its KV went to slot "
-        + ints(bad["forward_slot"].where(misplaced, 0)) + ")")
-    explanation = pd.Series(
-        "another live request's slot: a pool sync would overwrite its KV", index=bad.index)
-    explanation = explanation.where(
-        ~stale, "an entry this request never wrote: left by the row's previous holder, a "
-                "slot the radix tree keeps for another request; a pool sync would "
-                "overwrite that request's cached KV")
-    explanation = explanation.where(
-        ~misplaced, "the forward wrote this position's KV to another slot than the one "
-                    "recorded: a pool sync and the radix tree read the recorded slot")
-    explanation = explanation.where(
-        ~free, "a slot the allocator holds as free: a stale entry in a reused row")
-    explanation = explanation.where(
-        ~padding, "the padding slot: the scheduler never recorded this position, so a "
-                  "pool sync would write its KV to slot 0")
+        others = [", ".join(r for r in all_.split(", ") if r != own)
+                  for all_, own in zip(rids, bad.loc[shared, "rid"])]
+        actual[shared] = slot[shared] + " (also held by " + pd.Series(
+            others, index=rids.index) + ")"
+    for mask, text, why in (
+            (free, lambda: slot[free] + " (free)",
+             "a slot the allocator holds as free: a stale entry in a reused row"),
+            (stale, lambda: slot[stale] + " (never written for " + bad["rid"][stale] + ")",
+             "an entry this request never wrote: left by the row's previous holder, a slot "
+             "the radix tree keeps for another request; a pool sync would overwrite that "
+             "request's cached KV"),
+            (moved, lambda: slot[moved] + " (holds the KV of position "
+             + ints(bad["slot_position"][moved]) + ")",
+             "the slot recorded holds another position's KV: attention and the radix tree "
+             "read it as this position's"),
+            (elsewhere, lambda: slot[elsewhere] + " (its KV went to slot "
+             + ints(bad["forward_slot"][elsewhere]) + ")",
+             "the forward wrote this position's KV to another slot than the one recorded: a "
+             "pool sync and the radix tree read the recorded slot"),
+            (padding, lambda: "slot 0",
+             "the padding slot: the scheduler never recorded this position, so a pool sync "
+             "would write its KV to slot 0")):
+        if mask.any():
+            actual[mask], explanation[mask] = text(), why
     rows = pd.DataFrame({
         "field": "req_to_token", "step": bad["step"].astype("int64"), "rid": bad["rid"],
         "expected": "an allocated slot of " + bad["rid"] + " at position "
