@@ -153,7 +153,9 @@ def _named_paths(spec: dict[str, Any]) -> list[tuple[str, list]]:
     """What each server arg that names an existing file or folder holds (``model_path``:
     SGLang reads the model's config there): per file (a folder's own files, not its
     subfolders), its name, size and sha256 (mtime past :data:`_SMALL_FILE`)."""
-    args = {**spec.get("workload", {}).get("server_args", {}), **spec.get("server_args", {})}
+    workload = spec.get("workload")
+    args = {**(workload.get("server_args") or {} if isinstance(workload, dict) else {}),
+            **(spec.get("server_args") or {})}
     found = []
     for name, value in sorted(args.items()):
         if not (isinstance(value, str) and value and os.path.exists(value)):
