@@ -249,6 +249,19 @@ def test_a_relay_overwritten_after_its_publish_breaks_clause_4(run_cached):
 
 
 @pytest.mark.parametrize("loop", ["normal", "overlap"])
+def test_a_radix_insert_cut_short_at_release_breaks_clause_2(run_cached, loop):
+    """A finished request's release keeps what it committed in the radix tree: an insert
+    two positions short (the counters right, the pool balanced, a later turn's
+    cached_tokens two lower) passed."""
+    report = check(run_cached("two-turn", loop, "user_patches:truncated_finish_insert"),
+                   "rfc")
+    first = report.clauses[2].first()
+    assert report.clauses[2].status == VIOLATED
+    assert (first["field"], first["rid"], first["expected"], first["actual"]) == (
+        "cache_protected_len", "b", 21, 19)
+
+
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
 def test_slots_permuted_inside_the_protected_prefix_break_clause_1(run_cached, loop):
     """A slot's KV must be of the position it is recorded at, inside the radix-protected
     prefix too: two of a request's own slots swapped before each radix insert (the pool

@@ -334,3 +334,21 @@ def checkpoint_swaps_last_two():
             return _real(self, req, up_to=up_to, **kwargs)
 
         cls.checkpoint = checkpoint
+
+
+def truncated_finish_insert():
+    """A finished request's radix insert stops two positions short of what it committed:
+    its counters are right, the pool balances (the tail is freed), and a later turn with
+    its prefix prefills those positions again."""
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    for cls in (RadixCache, UnifiedRadixCache):
+        real = cls.checkpoint
+
+        def checkpoint(self, req, *, up_to, _real=real, **kwargs):
+            if req.finished():
+                up_to = max(req.kv.cache_protected_len, up_to - 2)
+            return _real(self, req, up_to=up_to, **kwargs)
+
+        cls.checkpoint = checkpoint

@@ -3,7 +3,11 @@
 
 For every live request, each counter equals ``kv_computed``: zero lag behind the tokens
 computed. The torch overlap loop's counters include its one in-flight step, and so does
-``kv_computed``, so that lead is the reference. The extension: ``decode_batch_idx``
+``kv_computed``, so that lead is the reference. And when a request that finished (by
+length or a stop) is released, the radix tree keeps what it committed: at the first
+boundary where it holds no row, its ``cache_protected_len`` (what the tree's insert
+protected) is its committed length (at most its prompt and output), in whole pages;
+not checked when the run disables the radix cache. The extension: ``decode_batch_idx``
 equals ``kv_computed - kv_prefilled`` (every decode launch computes exactly one position
 of each of its requests).
 """
@@ -51,10 +55,47 @@ def check_counters(frames: Frames) -> ClauseResult:
                            + (computed - value).abs().astype(str)
                            + "; radix insertion and release stop at the committed bound",
             "order": order}))
+    released = _released(frames)
+    kept = released["cache_protected_len"].astype("int64")
+    owned = _committed_pages(frames, released)
+    bad = released[kept < owned]
+    if len(bad):
+        parts.append(pd.DataFrame({
+            "field": "cache_protected_len", "step": bad["step"].astype("int64"),
+            "rid": bad["rid"], "expected": owned[bad.index].astype(object),
+            "actual": kept[bad.index].astype(object),
+            "explanation": "the radix tree kept " + kept[bad.index].astype(str) + " of the "
+                           + owned[bad.index].astype(str) + " positions the request "
+                           "committed when it was released: a later request with this "
+                           "prefix prefills the rest again (silent cache loss)",
+            "order": len(_COUNTERS)}))
     rows = pd.concat(parts).sort_values(["step", "order"], kind="stable").drop(
         columns="order") if parts else _NO_ROWS
-    note = f"{len(alive)} (step, request) counter sets checked"
+    note = (f"{len(alive)} (step, request) counter sets checked, {len(released)} "
+            "releases into the radix tree")
     return result(2, loop, rows, note)
+
+
+def _released(frames: Frames) -> pd.DataFrame:
+    """Each request that finished by length or a stop, at the first boundary where it
+    holds no ``req_to_token`` row (released); none when the radix cache is disabled."""
+    requests = frames.requests
+    if frames.meta.get("server_args", {}).get("disable_radix_cache"):
+        return requests.iloc[0:0]
+    done = requests[requests["finished"].astype(bool) & requests["req_pool_idx"].isna()
+                    & requests["finish_reason"].isin(["length", "stop"])
+                    & requests["kv_committed_len"].notna()
+                    & requests["cache_protected_len"].notna()]
+    return done.sort_values("step", kind="stable").drop_duplicates("rid")
+
+
+def _committed_pages(frames: Frames, released: pd.DataFrame) -> pd.Series:
+    """What each released request committed, at most its prompt and output (a stop that
+    landed before the last committed position), in whole pages."""
+    page = int(frames.meta.get("server_args", {}).get("page_size") or 1)
+    committed = released["kv_committed_len"].astype("int64").clip(
+        upper=(released["prompt_len"] + released["emitted"]).astype("int64"))
+    return committed // page * page
 
 
 @extend(2, fields=("decode_batch_idx",))
