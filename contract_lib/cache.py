@@ -158,17 +158,12 @@ def _named_paths(spec: dict[str, Any]) -> list[tuple[str, list]]:
             **(spec.get("server_args") or {})}
     found = []
     for name, value in sorted(args.items()):
-        if not (isinstance(value, str) and value and os.path.exists(value)):
-            continue
-        path = Path(value)
-        files = [path] if path.is_file() else sorted(
-            entry for entry in path.iterdir() if entry.is_file())
-        held = []
-        for file in files:
-            size = file.stat().st_size
-            held.append((file.name, size, _file_hash(str(file)) if size <= _SMALL_FILE
-                         else file.stat().st_mtime_ns))
-        found.append((name, held))
+        if isinstance(value, str) and value and os.path.exists(value):
+            path = Path(value)
+            files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+            found.append((name, [(f.name, st.st_size, _file_hash(str(f)) if st.st_size
+                                  <= _SMALL_FILE else st.st_mtime_ns)
+                                 for f in files for st in [f.stat()]]))
     return found
 
 
