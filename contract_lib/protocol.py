@@ -7,8 +7,10 @@ full), in the order a run sends them:
 - ``("meta", dict)``: run metadata (shims applied, the loop function entered, timing...);
 - ``("rows", [(table, row), ...], slot_rows)``: rows taken together (a step's frame,
   its slots column-wise; the relay rows of one read or write; a launch's row and its
-  forward slots); a row is a dict, or a tuple in the table's column order
-  (``forward_slots``); ``launches`` rows are indexed for updates;
+  forward slots); a row is a tuple in the table's column order
+  (:data:`~contract_lib.frames.COLUMNS`; the recorder's: cheaper to build and pickle)
+  or a dict (the audit's and the real runner's); ``launches`` rows are indexed for
+  updates;
 - ``("update", table, key, value, fields)``: fields of an earlier ``launches`` row;
 - ``("end", status, error)``: the run's fate (``finished``, ``crashed``, ``timeout``).
 
@@ -28,7 +30,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from contract_lib import journal
-from contract_lib.frames import Frames
+from contract_lib.frames import COLUMNS, Frames
 
 META, UPDATE, ROWS, END = "meta", "update", "rows", "end"
 
@@ -99,9 +101,10 @@ def collect(receiver: Connection, stored: journal.Reader, child, meta: dict[str,
         kind = message[0]
         if kind == ROWS:
             for table, row in message[1]:
-                rows.setdefault(table, []).append(row)
-                if table == "launches":
+                if table == "launches":  # updated later: a dict, keyed by its launch
+                    row = row if isinstance(row, dict) else dict(zip(COLUMNS[table], row))
                     index[(table, row["launch"])] = row
+                rows.setdefault(table, []).append(row)
             rows.setdefault("slots", []).extend(slot_rows(message[2]))
         elif kind == UPDATE:
             _, table, _key, value, fields = message

@@ -193,7 +193,7 @@ def test_backend_state_sees_structures_bound_or_keyed_later():
     reqs = {"a": object()}
 
     def structures(step):
-        return {(row["rid"], row["structure"]) for row in recorder.rows(step, reqs)}
+        return {(rid, structure) for _step, rid, structure, _row in recorder.rows(step, reqs)}
 
     assert structures(0) == set()
     worker.pending = {"a"}  # None -> a set: same names, another type

@@ -105,7 +105,7 @@ class BackendStateRecorder:
             self._layout = _Layout(worker, self.s)
         return self._layout
 
-    def rows(self, step: int, reqs: dict[str, Any]) -> list[dict[str, Any]]:
+    def rows(self, step: int, reqs: dict[str, Any]) -> list[tuple]:
         """``(step, rid, structure, row)`` per request key held, in a stable order."""
         layout = self._current()
         if layout is None:
@@ -127,6 +127,5 @@ class BackendStateRecorder:
             maps_row = isinstance(value, dict) and "pool_idx" in layout.names[index]
             for key in sorted(keys):
                 row = value[key] if maps_row else None
-                rows.append({"step": step, "rid": key, "structure": structure,
-                             "row": int(row) if isinstance(row, int) else None})
+                rows.append((step, key, structure, int(row) if isinstance(row, int) else None))
         return rows

@@ -11,18 +11,14 @@ class LaunchRecording:
     state is set in ``Recorder.__init__``)."""
 
     def _launch_row(self, *, forward_iter, launch_ts, mode, chained, rids,
-                    prefilled_tokens: int = 0) -> tuple[str, dict]:
-        """A new launch, counted, and its ``launches`` row (for the caller to send)."""
+                    prefilled_tokens: int = 0) -> tuple[str, tuple]:
+        """A new launch, counted, and its ``launches`` row (for the caller to send; the
+        ``processed_*`` columns are None until its update)."""
         self.launch_ct += 1
         self.unprocessed.append(self.launch_ct)
-        return ("launches", {
-            "launch": self.launch_ct, "step": self.step, "loop": self.loop,
-            "forward_ct": self.s.forward_ct, "forward_iter": forward_iter,
-            "launch_ts": launch_ts, "mode": mode, "chained": chained,
-            "rids": ",".join(rids), "processed_step": None,
-            "processed_forward_iter": None, "processed_launch_ts": None,
-            "prefilled_tokens": prefilled_tokens,
-        })
+        return ("launches", (self.launch_ct, self.step, self.loop, self.s.forward_ct,
+                             forward_iter, launch_ts, mode, chained, ",".join(rids),
+                             None, None, None, prefilled_tokens))
 
     def on_torch_launch(self, batch, tokens: list[int]) -> None:
         """Called by the torch model-free forward with the batch and the tokens it made."""
@@ -60,8 +56,6 @@ class LaunchRecording:
                   else [1] * len(rids))
         if len(counts) != len(rids) or sum(counts) != len(slots):
             return []
-        # Rows as tuples in the table's column order (a prefill lane has one per token:
-        # cheaper to build and pickle than dicts; the parent's DataFrame takes either).
         launch, step, taken, offset = self.launch_ct, self.step, [], 0
         for rid, seq_len, count in zip(rids, seq_lens, counts):
             first = seq_len - count
@@ -104,11 +98,14 @@ class LaunchRecording:
 
     # -- relay ------------------------------------------------------------------------------
 
-    def _row_owner(self, row: int) -> str | None:
+    def _row_owners(self) -> dict[int, str]:
+        """``req_to_token`` row -> the first unfinished request holding it."""
+        owners: dict[int, str] = {}
         for rid, req in self.reqs.items():
-            if req.kv.req_pool_idx == row and not req.finished():
-                return rid
-        return None
+            row = req.kv.req_pool_idx
+            if row is not None and row not in owners and not req.finished():
+                owners[row] = rid
+        return owners
 
     @staticmethod
     def relay_lanes(batch, future_map) -> tuple[list[int], str, list[str]] | None:
@@ -144,11 +141,8 @@ class LaunchRecording:
             # and still what the row holds (nothing overwrote it since).
             published = (written is not None and last_rid == rid and value == last_value
                          and last_value == self.latest_token.get(rid))
-            taken.append(("relay", {
-                "event": "read", "step": self.step, "launch": self.launch_ct + 1,
-                "loop": self.loop, "kind": kind, "row": row, "rid": rid, "value": value,
-                "last_published": last_value, "published_for_rid": published,
-            }))
+            taken.append(("relay", ("read", self.step, self.launch_ct + 1, self.loop, kind,
+                                    row, rid, value, last_value, published)))
         self._emit_rows(taken)
 
     def on_relay_write(self, indices, kind: str) -> None:
@@ -157,18 +151,15 @@ class LaunchRecording:
         rows = tolist(indices)
         held = (self.relay_view.of(self.s.future_map.output_tokens_buf)[rows].tolist()
                 if rows else [])
-        taken = []
+        taken, owners = [], self._row_owners()
         for row, value in zip(rows, held):
-            rid = self._row_owner(row)
+            rid = owners.get(row)
             self.relay_written[row] = (int(value), rid, self.launch_ct)
-            taken.append(("relay", {
-                "event": "write", "step": self.step, "launch": self.launch_ct,
-                "loop": self.loop, "kind": kind, "row": row, "rid": rid, "value": int(value),
-                "last_published": None, "published_for_rid": None,
-            }))
+            taken.append(("relay", ("write", self.step, self.launch_ct, self.loop, kind,
+                                    row, rid, int(value), None, None)))
         self._emit_rows(taken)
 
-    def _emit_rows(self, taken: list[tuple[str, dict | tuple]]) -> None:
+    def _emit_rows(self, taken: list[tuple[str, tuple | dict]]) -> None:
         """The rows one hook call took, in one message (sent before the call returns)."""
         if taken:
             self.emit(("rows", taken, []))

@@ -193,6 +193,6 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
             self._emit_effects()
         if not self.capture:
             return
-        self._emit_rows([("outputs", {"rid": rid, "index": index, "token": int(token)})
+        self._emit_rows([("outputs", (rid, index, int(token)))
                          for rid, req in self.reqs.items()
                          for index, token in enumerate(req.output_ids)])

@@ -17,19 +17,14 @@ class StepSnapshot:
     def snapshot(self) -> None:
         s, step = self.s, self.step
         running, last = s.running_batch, s.last_batch
-        rows: list[tuple[str, dict[str, Any]]] = []
-        rows.append(("steps", {
-            "step": step, "loop": self.loop, "forward_ct": s.forward_ct,
-            "result_queue_len": self._in_flight(),
-            "is_fully_idle": bool(s.is_fully_idle()), "idle_probe": self._idle_probe(),
-            "enable_overlap": self._overlaps(),
-            "enable_overlap_mlx": bool(s.enable_overlap_mlx),
-            "running_bs": 0 if running is None else len(running.reqs),
-            "running_mode": mode_name(running), "last_batch_mode": mode_name(last),
-            "waiting_len": len(s.waiting_queue), **self._pool_terms(),
-            "wall_time": time.monotonic(),
-            "processed_tokens_counter": getattr(s, "processed_tokens_counter", None),
-        }))
+        rows: list[tuple[str, tuple]] = []
+        # Rows are tuples in the tables' column order (``frames.COLUMNS``).
+        rows.append(("steps", (
+            step, self.loop, s.forward_ct, self._in_flight(), bool(s.is_fully_idle()),
+            self._idle_probe(), self._overlaps(), bool(s.enable_overlap_mlx),
+            0 if running is None else len(running.reqs), mode_name(running),
+            mode_name(last), len(s.waiting_queue), *self._pool_terms(),
+            time.monotonic(), getattr(s, "processed_tokens_counter", None))))
         seq_lens = self._seq_lens(running, last)
         rtt = self.req_to_token_view.of(s.req_to_token_pool.req_to_token)  # sliced in numpy
         free = None  # the free-slot mask, taken at the first live row
@@ -40,20 +35,12 @@ class StepSnapshot:
             ended = self.ended(req)
             reason = (req.finished_reason.to_json() if req.finished_reason
                       else self.abort_outputs.get(rid, {}))
-            rows.append(("requests", {
-                "step": step, "rid": rid, "prompt_len": len(req.origin_input_ids),
-                "emitted": len(req.output_ids), "finished": ended,
-                "req_pool_idx": row, "seq_len": seq_lens.get(id(req)),
-                "kv_computed": self.kv_computed.get(rid),
-                "kv_committed_len": kv.kv_committed_len,
-                "kv_allocated_len": kv.kv_allocated_len,
-                "cache_protected_len": kv.cache_protected_len,
-                "cached_tokens": req.cached_tokens,
-                "finish_reason": reason.get("type"), "finish_message": reason.get("message"),
-                "retractions": req.retraction_count,
-                "decode_batch_idx": getattr(req, "decode_batch_idx", None),
-                "kv_prefilled": self.kv_prefilled.get(rid),
-            }))
+            rows.append(("requests", (
+                step, rid, len(req.origin_input_ids), len(req.output_ids), ended, row,
+                seq_lens.get(id(req)), self.kv_computed.get(rid), kv.kv_committed_len,
+                kv.kv_allocated_len, kv.cache_protected_len, req.cached_tokens,
+                reason.get("type"), reason.get("message"), req.retraction_count,
+                getattr(req, "decode_batch_idx", None), self.kv_prefilled.get(rid))))
             if row is None or ended:
                 continue
             if free is None:
@@ -93,19 +80,17 @@ class StepSnapshot:
         self.idle_arguments = [name for name in ("for_health_check", "ignore_waiting")
                                if name in accepted]
 
-    def _pool_terms(self) -> dict[str, Any]:
-        """SGLang's own KV pool conservation terms (``InvariantChecker``), and its verdict."""
+    def _pool_terms(self) -> tuple[int, int, int, int, int, bool]:
+        """SGLang's own KV pool conservation terms (``InvariantChecker``), and its verdict:
+        ``kv_total``, ``kv_available``, ``kv_evictable``, ``kv_protected``,
+        ``kv_uncached``, ``pool_leak``."""
         checker = self.invariant_checker
         stats = checker.pool_stats_observer.get_pool_stats()
         uncached = uncached_sizes(checker)
         leak, _message = checker._check_full_pool(stats, uncached=uncached)
-        return {
-            "kv_total": int(self.s.max_total_num_tokens),
-            "kv_available": int(stats.full_available_size),
-            "kv_evictable": int(stats.full_evictable_size),
-            "kv_protected": int(self.s.tree_cache.protected_size()),
-            "kv_uncached": int(uncached), "pool_leak": bool(leak),
-        }
+        return (int(self.s.max_total_num_tokens), int(stats.full_available_size),
+                int(stats.full_evictable_size), int(self.s.tree_cache.protected_size()),
+                int(uncached), bool(leak))
 
     def find_invariant_checker(self) -> None:
         """Set ``invariant_checker``: SGLang's ``SchedulerInvariantChecker``, the
