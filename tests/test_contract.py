@@ -309,11 +309,13 @@ def test_a_batch_stamped_again_before_its_processing_breaks_clause_3(run_cached)
     assert first["launch"] == 1 and first["expected"].endswith("(stamped at launch)")
 
 
-def test_an_in_flight_term_kept_only_for_a_plain_call_breaks_clause_5(run_cached):
-    """The predicate is asked as each caller asks: one that tells the health check and
-    the flush idle while a job is queued (a plain call still says busy) passed."""
-    report = check(run_cached("two-turn", "overlap",
-                              "user_patches:idle_in_flight_term_only_by_default"), "rfc")
+@pytest.mark.parametrize("patch", ["idle_in_flight_term_only_by_default",
+                                   "idle_flag_of_one_caller"])
+def test_an_in_flight_term_kept_only_for_a_plain_call_breaks_clause_5(run_cached, patch):
+    """The predicate is asked as each caller may ask: one that tells the health check
+    and the flush idle while a job is queued (a plain call still says busy) passed, and
+    so did one whose new flag, passed by one caller only, drops the in-flight term."""
+    report = check(run_cached("two-turn", "overlap", f"user_patches:{patch}"), "rfc")
     first = report.clauses[5].first()
     assert report.clauses[5].status == MASKED and first["step"] == 1
     assert first["actual"] == "idle with 1 job(s) queued"

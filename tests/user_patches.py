@@ -314,6 +314,27 @@ def idle_in_flight_term_only_by_default():
          " or len(self.result_queue) == 0)")], "idle-term-default-only")
 
 
+def idle_flag_of_one_caller():
+    """A new ``is_fully_idle`` flag that only the memory release passes drops the
+    in-flight term: that caller is told idle with a job in ``result_queue``, while the
+    plain call, the health check and the flush still hear busy."""
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.managers.scheduler_components import weight_updater
+    from contract_lib.patches import patch_source
+
+    patch_source(Scheduler, "is_fully_idle", [
+        ("def is_fully_idle(self, for_health_check=False, ignore_waiting=False) -> bool:\n",
+         "def is_fully_idle(self, for_health_check=False, ignore_waiting=False,\n"
+         "                  for_memory_release=False) -> bool:\n"),
+        ("(not self.enable_overlap or len(self.result_queue) == 0)",
+         "(not self.enable_overlap or for_memory_release or len(self.result_queue) == 0)"),
+    ], "idle-flag-of-one-caller")
+    patch_source(weight_updater.SchedulerWeightUpdaterManager, "release_memory_occupation", [
+        ("ignore_waiting=scheduler is not None and scheduler._engine_paused\n",
+         "ignore_waiting=scheduler is not None and scheduler._engine_paused,\n"
+         "for_memory_release=True,\n")], "idle-flag-of-one-caller")
+
+
 def checkpoint_swaps_last_two():
     """Before each radix insert (``checkpoint``) the request's last two slots up to the
     insert point trade places in its row: the set of slots is the same (the pool

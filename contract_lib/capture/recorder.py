@@ -76,7 +76,7 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
         # that held the row when the entry was last written; -1 never written.
         self.written_by: np.ndarray | None = None
         self.invariant_checker = None  # SGLang's, found when the hooks go in
-        self.idle_arguments: list[str] = []  # is_fully_idle's caller flags, found then too
+        self.idle_arguments: list[dict[str, bool]] = []  # is_fully_idle's flags, found then too
         # Numpy views of the tensors read every step (sliced without torch).
         self.req_to_token_view = NumpyView()
         self.relay_view = NumpyView()

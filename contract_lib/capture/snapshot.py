@@ -57,28 +57,34 @@ class StepSnapshot:
 
     def _idle_probe(self) -> bool:
         """``is_fully_idle`` with every term but the in-flight one masked to idle, as each
-        of its callers asks (no arguments; the health check's ``for_health_check``, the
-        flush's and the memory release's ``ignore_waiting``, where the release has
-        them): True when any of them says idle. The callers' arguments are tried only
-        when the plain call says busy (work in flight)."""
+        of its callers may ask (no arguments; each of its flags, such as the health
+        check's ``for_health_check`` or the flush's ``ignore_waiting``, alone; all of
+        them together): True when any of them says idle. The flags are tried only when
+        the plain call says busy (work in flight)."""
         s = self.s
         saved = (s.running_batch, s.last_batch, s.chunked_req, s.waiting_queue)
         try:
             s.running_batch = EmptyBatch()
             s.last_batch, s.chunked_req, s.waiting_queue = None, None, []
             return bool(s.is_fully_idle()) or any(
-                bool(s.is_fully_idle(**{argument: True})) for argument in self.idle_arguments)
+                bool(s.is_fully_idle(**arguments)) for arguments in self.idle_arguments)
         finally:
             s.running_batch, s.last_batch, s.chunked_req, s.waiting_queue = saved
 
     def find_idle_arguments(self) -> None:
-        """Set ``idle_arguments``: the flags of ``is_fully_idle`` its callers set
-        (``for_health_check``, ``ignore_waiting``) that this scheduler's takes."""
+        """Set ``idle_arguments``: the ways to call ``is_fully_idle`` other than plainly,
+        read off its signature, not assumed: each flag (a parameter with a bool default)
+        set to the other value alone, then all of them so set (a release or a patch may
+        add a flag only one caller passes)."""
         import inspect
 
-        accepted = inspect.signature(self.s.is_fully_idle).parameters
-        self.idle_arguments = [name for name in ("for_health_check", "ignore_waiting")
-                               if name in accepted]
+        flags = {name: not parameter.default
+                 for name, parameter in inspect.signature(self.s.is_fully_idle).parameters.items()
+                 if isinstance(parameter.default, bool) and parameter.kind in (
+                     parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)}
+        self.idle_arguments = [{name: value} for name, value in flags.items()]
+        if len(flags) > 1:
+            self.idle_arguments.append(flags)
 
     def _pool_terms(self) -> tuple[int, int, int, int, int, bool]:
         """SGLang's own KV pool conservation terms (``InvariantChecker``), and its verdict:
