@@ -287,6 +287,24 @@ def test_a_reader_that_feeds_other_rows_breaks_clause_4(run_cached):
     assert "(last published: " in first["explanation"]
 
 
+@pytest.mark.parametrize("workload, loop, patch, step", [
+    ("two-turn", "normal", "skip-relay-publish", 1),
+    ("mixed-chunk", "mlx", "fix-chained-accounting+fix-idle-predicate", 5)])
+def test_a_reader_reached_through_another_name_is_still_recorded(
+        run_cached, workload, loop, patch, step):
+    """A refactor that moves the relay reader onto ``FutureMap`` reaches it through its
+    defining module, not the loops' bindings: its unpublished reads went unrecorded and
+    clause 4 held as "provably unread"."""
+    frames = run_cached(workload, loop, f"user_patches:relay_reader_on_future_map+{patch}")
+    report = check(frames, "rfc")
+    first = report.clauses[4].first()
+    assert report.clauses[4].status == VIOLATED
+    assert (first["field"], first["step"]) == ("output_tokens_buf", step)
+    # each read recorded once, however many wrapped bindings it passed through
+    reads = frames.relay[frames.relay.event == "read"]
+    assert not reads.duplicated(["launch", "row"]).any()
+
+
 @pytest.mark.parametrize("patch, expected", [
     ("frozen_launch_ts", "> "), ("wall_clock_launch_ts", "(time.monotonic around its launch")])
 def test_a_launch_ts_that_does_not_tick_on_the_loops_clock_breaks_clause_3(

@@ -10,8 +10,9 @@ records, and calls the original:
 - ``ipc_channels.send_to_tokenizer.send_output`` (instance): the ``AbortReq`` outputs by
   which SGLang ends a request outside the output stream (an abort while it is queued
   pops it without setting ``finished_reason``); recorded as that request's finish.
-- ``resolve_forward_inputs`` (the binding in ``scheduler`` and the MLX mixin, each
-  wrapped as it is, so a patch that rebound it still runs): relay reads;
+- ``resolve_forward_inputs`` (the binding in ``overlap_utils``, which defines it, in
+  ``scheduler`` and in the MLX mixin, each wrapped as it is, so a patch that rebound
+  it still runs; a read passing through several is recorded once): relay reads;
   ``FutureMap.stash`` / ``stash_bonus_tokens`` (instance): relay writes.
 - The forward launch: the torch model-free forward calls :meth:`Recorder.on_torch_launch`;
   on the MLX loop ``MlxTpModelWorker.async_forward_batch_generation_mlx`` (fresh) and

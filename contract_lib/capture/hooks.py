@@ -105,9 +105,9 @@ class HookInstaller:
 
         future_map = self.s.future_map
         future_map.output_tokens_buf.fill_(-1)  # poison: an unwritten row reads -1
-        callers = [scheduler_module]
-        if self.omni:  # its execution bridge imports it at every forward
-            callers.append(overlap_utils)
+        # The defining module's binding (what omni's execution bridge, or a reader moved
+        # elsewhere, e.g. onto FutureMap, calls through) and each calling loop's own.
+        callers = [overlap_utils, scheduler_module]
         if self.mlx:
             from sglang.srt.hardware_backend.mlx import scheduler_mixin
 
@@ -137,8 +137,14 @@ class HookInstaller:
         what they fed the batch."""
 
         def resolve_forward_inputs(batch, fmap):
+            if self.reading:  # called through another wrapped binding: recorded there
+                return real_resolve(batch, fmap)
             lanes = self.relay_lanes(batch, fmap)
-            out = real_resolve(batch, fmap)
+            self.reading = True
+            try:
+                out = real_resolve(batch, fmap)
+            finally:
+                self.reading = False
             if lanes is not None:
                 self.on_relay_read(batch, fmap, lanes)
             return out

@@ -72,6 +72,7 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
         self.launch_ct = 0
         self.unprocessed: collections.deque[int] = collections.deque()
         self.relay_written: dict[int, tuple[int, str | None, int | None]] = {}
+        self.reading = False  # inside a recorded relay read (its wrappers nest)
         # Per req_to_token entry: the registry index (in ``reqs`` order) of the request
         # that held the row when the entry was last written; -1 never written.
         self.written_by: np.ndarray | None = None
