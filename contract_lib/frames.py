@@ -133,6 +133,7 @@ class RunMeta(RequiredMeta, total=False):
     enable_overlap: bool  # the scheduler's flags after construction
     enable_overlap_mlx: bool
     timing: dict[str, float]  # the child's wall times (s): import, build, loop, total; loop CPU
+    prompts: dict[str, list[int]]  # rid -> the prompt token ids it was fed with
     user_modules: dict[str, str | None]  # user modules the run loaded -> sha256
     user_module_names: dict[str, str]  # their module names -> the file each was loaded from
     omni_version: str  # loop omni: the sglang-omni release

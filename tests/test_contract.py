@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import contract_lib
@@ -274,6 +276,31 @@ def test_slots_permuted_inside_the_protected_prefix_break_clause_1(run_cached, l
     assert first["expected"].endswith("at position 14")
     assert report.clauses[1].violations["actual"].str.contains(
         "holds the KV of position").any()
+
+
+SHARED_PREFIX = str(Path(__file__).parent / "workloads" / "shared-prefix.toml")
+
+
+@pytest.mark.parametrize("loop, page_size, patch, slot", [
+    ("normal", 1, "radix_match_one_token_long", 11),
+    ("overlap", 1, "radix_match_one_token_long", 11),
+    ("normal", 4, "radix_match_page_ceil", 14)])
+def test_a_radix_match_past_the_shared_prefix_breaks_clause_1(loop, page_size, patch, slot):
+    """A slot shared through the radix tree must hold the KV of the same tokens: a match
+    one token (or one partial page) longer than the prompts share served b the KV a
+    computed for its own token at position 10, at the right position, and passed."""
+    def report(name):
+        return check(contract_lib.run(SHARED_PREFIX, loop, patch=f"user_patches:{name}",
+                                      server_args={"page_size": page_size}), "rfc")
+
+    assert report("python_tree_core").clauses[1].status == HOLDS  # the same tree, unpatched
+    broken = report(patch).clauses[1]
+    first = broken.first()
+    assert broken.status == VIOLATED
+    assert (first["field"], first["rid"], first["step"]) == ("req_to_token", "b", 13)
+    assert first["expected"].endswith("at position 10")
+    assert first["actual"] == (f"slot {slot} (holds a's KV of this position; their tokens "
+                               "differ from position 10)")
 
 
 def test_a_reader_that_feeds_other_rows_breaks_clause_4(run_cached):

@@ -402,3 +402,44 @@ def truncated_finish_insert():
             return _real(self, req, up_to=up_to, **kwargs)
 
         cls.checkpoint = checkpoint
+
+
+def _python_tree_core() -> None:
+    """Select SGLang's Python TreeCore for the radix tree (what every non-Linux host, e.g.
+    Apple Silicon under MLX, runs; Linux defaults to the Rust one)."""
+    import os
+
+    os.environ["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] = "python"
+
+
+def radix_match_one_token_long():
+    """The radix match's search counts the first diverging token as matched (``hi``,
+    not ``lo``): a prompt that diverges from a cached one is served the KV the other
+    request computed for its own token at that position."""
+    from sglang.srt.mem_cache import radix_cache
+    from contract_lib.patches import patch_source
+
+    _python_tree_core()
+    patch_source(radix_cache.RadixKey, "match_at", [
+        ("                matched_tokens = lo\n", "                matched_tokens = hi\n"),
+    ], "radix-match-one-token-long")
+
+
+def radix_match_page_ceil():
+    """A paged radix match rounds the matched length up to whole pages: a page that only
+    partly matches is served from the tree, its tail the other prompt's KV."""
+    from sglang.srt.mem_cache import radix_cache
+    from contract_lib.patches import patch_source
+
+    _python_tree_core()
+    patch_source(radix_cache.RadixKey, "match_at", [
+        ("        return (matched_tokens // page_size) * page_size\n",
+         "        return min(-(-matched_tokens // page_size) * page_size,\n"
+         "                   len(self) // page_size * page_size,\n"
+         "                   (len(other) - offset) // page_size * page_size)\n"),
+    ], "radix-match-page-ceil")
+
+
+def python_tree_core():
+    """No bug: the Python TreeCore alone (the baseline of the two patches above)."""
+    _python_tree_core()

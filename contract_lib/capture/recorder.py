@@ -186,6 +186,8 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
             self.s.request_receiver.pending.append(tokenized_request(spec, prompt))
         self.fed.add(spec.rid)
         self.fed_prompts[spec.rid] = prompt
+        if self.capture:  # every prompt fed so far (clause 1 compares the slots' tokens)
+            self.emit(("meta", {"prompts": dict(self.fed_prompts)}))
 
     def finish(self) -> None:
         """Emit the outputs table (called once, whatever ended the run)."""

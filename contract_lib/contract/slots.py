@@ -13,8 +13,11 @@ to (``forward_slots``); another slot is ``misplaced``: the KV is elsewhere than 
 scheduler says (inside the protected prefix the radix tree's slot stands, which may be
 another request's copy of the same KV). And wherever every launch recorded its forward
 slots (the torch loops and omni), a slot's KV must be of the position it is recorded at:
-an entry whose slot a forward last wrote at another position is ``misplaced`` too (a
-radix-shared slot was written at the same position of the same prefix).
+an entry whose slot a forward last wrote at another position is ``misplaced`` too, and
+so is one whose slot another request's forward wrote at the same position when the two
+requests' token sequences differ at or before it (a radix-shared slot was written at
+the same position of the same prefix; the sequences are the prompts fed, meta
+``prompts``, and the tokens emitted).
 """
 
 from __future__ import annotations
@@ -45,8 +48,11 @@ def slot_states(frames: Frames) -> pd.DataFrame:
     ``misplaced`` (at the boundary after a torch launch, a position it computed, past the
     protected prefix, whose entry is not the slot the forward wrote its KV to; adds
     ``forward_slot``; or, when every launch recorded its forward slots, an entry whose
-    slot a forward last wrote at another position; adds ``slot_position``). The first
-    of ``slot 0``, ``free``, ``shared``, ``stale``, ``misplaced`` that applies wins.
+    slot a forward last wrote at another position, or at this position for another
+    request whose tokens differ from this one's at or before it; adds ``slot_position``,
+    ``slot_writer`` and ``agreed``, the length of the two requests' common token
+    prefix). The first of ``slot 0``, ``free``, ``shared``, ``stale``, ``misplaced``
+    that applies wins.
     """
     alive = live(frames.requests)[["step", "rid", "kv_computed", "cache_protected_len"]]
     slots = frames.slots.merge(alive, on=["step", "rid"], how="inner")
@@ -77,6 +83,8 @@ def slot_states(frames: Frames) -> pd.DataFrame:
           & (slots["slot"] != slots["forward_slot"])] = "misplaced"
     state[computed & slots["slot_position"].notna()
           & (slots["slot_position"] != slots["position"])] = "misplaced"
+    slots["agreed"] = _common_prefixes(frames, slots)
+    state[computed & (slots["position"] >= slots["agreed"])] = "misplaced"
     written = slots["written"] if "written" in slots else pd.Series(True, index=slots.index)
     state[computed & (written == False)] = "stale"  # noqa: E712 - None means unknown
     state[shared] = "shared"
@@ -85,12 +93,40 @@ def slot_states(frames: Frames) -> pd.DataFrame:
     return slots.assign(state=state)
 
 
+def _common_prefixes(frames: Frames, slots: pd.DataFrame) -> pd.Series:
+    """Per entry whose slot another request's forward last wrote (``slot_writer``): how
+    many leading tokens the two requests' sequences (prompt fed, then tokens emitted)
+    share; NaN elsewhere, or where the run did not record its prompts."""
+    agreed = pd.Series(float("nan"), index=slots.index)
+    prompts = frames.meta.get("prompts")
+    foreign = slots["slot_writer"].notna() & (slots["slot_writer"] != slots["rid"])
+    if not prompts or not foreign.any():
+        return agreed
+    emitted = frames.outputs.sort_values(["rid", "index"]).groupby("rid")["token"].agg(list)
+    tokens = {rid: list(prompt) + emitted.get(rid, []) for rid, prompt in prompts.items()}
+    pairs = slots.loc[foreign, ["rid", "slot_writer"]].drop_duplicates()
+    common = {}
+    for rid, writer in pairs.itertuples(index=False):
+        mine, theirs = tokens.get(rid), tokens.get(writer)
+        if mine is None or theirs is None:
+            continue
+        length = min(len(mine), len(theirs))
+        common[(rid, writer)] = next(
+            (i for i in range(length) if mine[i] != theirs[i]), length)
+    keys = pd.Series(list(zip(slots.loc[foreign, "rid"], slots.loc[foreign, "slot_writer"])),
+                     index=slots.index[foreign])
+    agreed[foreign] = keys.map(common).astype("float64")
+    return agreed
+
+
 def _slot_positions(frames: Frames) -> pd.DataFrame:
-    """``(step, slot, slot_position)``: at each step boundary, the position a forward
-    last wrote each slot's KV at, for every slot the run's ``slots`` entries name. Empty
-    unless every launch that computed positions recorded its forward slots (the MLX
-    loop's do not; a batch shape the capture could not read records none)."""
-    columns = {"step": "int64", "slot": "int64", "slot_position": "float64"}
+    """``(step, slot, slot_position, slot_writer)``: at each step boundary, the position
+    a forward last wrote each slot's KV at, and for which request, for every slot the
+    run's ``slots`` entries name. Empty unless every launch that computed positions
+    recorded its forward slots (the MLX loop's do not; a batch shape the capture could
+    not read records none)."""
+    columns = {"step": "int64", "slot": "int64", "slot_position": "float64",
+               "slot_writer": object}
     forward, launches = frames.forward_slots, frames.launches
     computing = launches[launches["mode"].isin(["extend", "decode", "mixed"])
                          & ~launches["chained"].astype(bool)]
@@ -98,12 +134,13 @@ def _slot_positions(frames: Frames) -> pd.DataFrame:
         return pd.DataFrame({name: pd.Series(dtype=kind) for name, kind in columns.items()})
     # A write at step s is seen from the boundary s + 1 on; the last one wins.
     writes = forward.sort_values("launch").assign(step=forward["step"] + 1).drop_duplicates(
-        ["step", "slot"], keep="last")[["step", "slot", "position"]].astype("int64")
+        ["step", "slot"], keep="last")[["step", "slot", "position", "rid"]].astype(
+        {"step": "int64", "slot": "int64", "position": "int64"})
     entries = frames.slots[["step", "slot"]].astype("int64").drop_duplicates().sort_values(
         "step")
     found = pd.merge_asof(entries, writes.sort_values("step"), on="step", by="slot",
                           direction="backward")
-    return found.rename(columns={"position": "slot_position"}).astype(
+    return found.rename(columns={"position": "slot_position", "rid": "slot_writer"}).astype(
         {"slot_position": "float64"})
 
 
@@ -124,7 +161,8 @@ def check_slots(frames: Frames) -> ClauseResult:
     padding, free, shared, stale, misplaced = (bad["state"] == kind
                                                for kind in BAD_SLOT_STATES)
     elsewhere = misplaced & bad["forward_slot"].notna() & (bad["slot"] != bad["forward_slot"])
-    moved = misplaced & ~elsewhere
+    foreign = misplaced & ~elsewhere & (bad["slot_position"] == bad["position"])
+    moved = misplaced & ~elsewhere & ~foreign
     # Each kind's text is built for its own rows only (a run can have ~10^5 of them).
     slot = "slot " + ints(bad["slot"])
     actual, explanation = slot.copy(), pd.Series(
@@ -147,6 +185,12 @@ def check_slots(frames: Frames) -> ClauseResult:
              + ints(bad["slot_position"][moved]) + ")",
              "the slot recorded holds another position's KV: attention and the radix tree "
              "read it as this position's"),
+            (foreign, lambda: slot[foreign] + " (holds " + bad["slot_writer"][foreign]
+             + "'s KV of this position; their tokens differ from position "
+             + ints(bad["agreed"][foreign]) + ")",
+             "the slot holds the KV another request computed for another token sequence: "
+             "attention reads it as this request's context (a radix match longer than "
+             "the prefixes really shared)"),
             (elsewhere, lambda: slot[elsewhere] + " (its KV went to slot "
              + ints(bad["forward_slot"][elsewhere]) + ")",
              "the forward wrote this position's KV to another slot than the one recorded: a "
