@@ -244,7 +244,8 @@ def _build(spec: dict[str, Any], loop_spec: loops.LoopSpec, emit,
     _check_page_size(scheduler, loop_spec.name, triton="triton-standin" not in applied)
     emit(("meta", {"shims": applied, "expect": workload.expected_outcomes(),
                    "enable_overlap": bool(scheduler.enable_overlap),
-                   "enable_overlap_mlx": bool(scheduler.enable_overlap_mlx)}))
+                   "enable_overlap_mlx": bool(scheduler.enable_overlap_mlx),
+                   "resolved_args": resolved_args(scheduler)}))
     _record_loop_entry(scheduler, loop_spec, emit)
     recorder = Recorder(scheduler, loop_spec, workload, emit, capture=spec.get("capture", True),
                         audit=spec.get("audit", False))
@@ -271,6 +272,17 @@ def _refuse_on_omni(workload: Workload) -> None:
                           "ingress; run this workload on normal, overlap or mlx")
 
 
+def resolved_args(scheduler) -> dict[str, Any]:
+    """The server args the checker reads as the scheduler runs with them, after SGLang
+    resolved them (``enable_deterministic_inference`` on a backend without radix
+    support disables the radix cache; an MLA backend sets the page size), not as given:
+    ``page_size`` and ``disable_radix_cache``."""
+    args = scheduler.server_args
+    return {"page_size": int(getattr(scheduler, "page_size", None) or args.page_size or 1),
+            "disable_radix_cache": bool(getattr(scheduler, "disable_radix_cache",
+                                                args.disable_radix_cache))}
+
+
 def _check_page_size(scheduler, loop: str, triton: bool) -> None:
     """Refuse, before the loop, a page size the KV allocator SGLang built cannot serve.
 
@@ -284,7 +296,7 @@ def _check_page_size(scheduler, loop: str, triton: bool) -> None:
     ``triton`` (``triton``: False where SGLang's stand-in was loaded)."""
     from importlib import metadata
 
-    wanted = int(scheduler.server_args.page_size or 1)
+    wanted = resolved_args(scheduler)["page_size"]
     allocator = scheduler.token_to_kv_pool_allocator
     if allocator.page_size != wanted:
         raise Unsupported(

@@ -132,6 +132,7 @@ class RunMeta(RequiredMeta, total=False):
     loop_function: str  # the SGLang event-loop function the run entered
     enable_overlap: bool  # the scheduler's flags after construction
     enable_overlap_mlx: bool
+    resolved_args: dict[str, Any]  # page_size, disable_radix_cache as the scheduler runs
     timing: dict[str, float]  # the child's wall times (s): import, build, loop, total; loop CPU
     prompts: dict[str, list[int]]  # rid -> the prompt token ids it was fed with
     user_modules: dict[str, str | None]  # user modules the run loaded -> sha256

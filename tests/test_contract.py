@@ -432,3 +432,19 @@ def test_a_run_that_fails_in_setup_is_exit_code_2(capsys):
                  "--server-arg", "max_runing_requests=4", "--out", "/dev/null"]) == 2
     captured = capsys.readouterr()  # checked before the run (stderr) or in it (stdout)
     assert "max_runing_requests" in captured.out + captured.err
+
+
+@pytest.mark.parametrize("server_args, resolved", [
+    ({"enable_deterministic_inference": True, "attention_backend": "flashinfer"},
+     {"page_size": 1, "disable_radix_cache": True}),
+    ({"attention_backend": "hpc_ops"}, {"page_size": 64, "disable_radix_cache": False})])
+def test_server_args_are_read_as_sglang_resolved_them(server_args, resolved):
+    """SGLang overrides some args it was given (deterministic inference on flashinfer
+    disables the radix cache; an MLA backend sets 64-token pages): read as given, the
+    first was a clause 2 false red (0 positions protected) and the second refused as an
+    unsupported page size."""
+    frames = contract_lib.run("two-turn", "normal", patch="fix-processed-tokens-counter",
+                              server_args=server_args)
+    assert frames.status == "finished" and frames.meta["resolved_args"] == resolved
+    report = check(frames)
+    assert report.clauses[2].status == HOLDS and report.ok

@@ -76,11 +76,18 @@ def check_counters(frames: Frames) -> ClauseResult:
     return result(2, loop, rows, note)
 
 
+def _run_arg(frames: Frames, name: str):
+    """A server arg as the scheduler ran with it (meta ``resolved_args``: SGLang may
+    override what was given), else as given (frames recorded before it was kept)."""
+    resolved = frames.meta.get("resolved_args") or {}
+    return resolved[name] if name in resolved else frames.meta.get("server_args", {}).get(name)
+
+
 def _released(frames: Frames) -> pd.DataFrame:
     """Each request that finished by length or a stop, at the first boundary where it
     holds no ``req_to_token`` row (released); none when the radix cache is disabled."""
     requests = frames.requests
-    if frames.meta.get("server_args", {}).get("disable_radix_cache"):
+    if _run_arg(frames, "disable_radix_cache"):
         return requests.iloc[0:0]
     done = requests[requests["finished"].astype(bool) & requests["req_pool_idx"].isna()
                     & requests["finish_reason"].isin(["length", "stop"])
@@ -92,7 +99,7 @@ def _released(frames: Frames) -> pd.DataFrame:
 def _committed_pages(frames: Frames, released: pd.DataFrame) -> pd.Series:
     """What each released request committed, at most its prompt and output (a stop that
     landed before the last committed position), in whole pages."""
-    page = int(frames.meta.get("server_args", {}).get("page_size") or 1)
+    page = int(_run_arg(frames, "page_size") or 1)
     committed = released["kv_committed_len"].astype("int64").clip(
         upper=(released["prompt_len"] + released["emitted"]).astype("int64"))
     return committed // page * page
