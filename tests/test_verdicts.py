@@ -114,6 +114,17 @@ def test_a_runner_held_under_another_name_is_still_the_backend(capsys):
     assert "clause 7 (request state retired): field tp_worker._mlx_engine._req_caches" in out
 
 
+def test_state_one_object_below_the_runner_is_still_the_backend(capsys):
+    """The MLX runner keeps an aborted request's entry in an object it holds
+    (``_penalty.by_rid``); the worker's and the runner's own structures are retired.
+    Read one level below the worker only, clause 7 held."""
+    assert main(["check", "--loop", "mlx", "--workload", "abort", "--out", "/dev/null",
+                 "--patch", "fix-backend-state+user_patches:nested_state_kept_on_abort"]) == 1
+    out = capsys.readouterr().out
+    assert ("clause 7 (request state retired): field tp_worker._mlx_runner._penalty.by_rid"
+            " at step 10, request a") in out
+
+
 def test_max_steps_reached_exits_3(tmp_path, capsys):
     workload = contract_lib.load_workload("single-decode").to_dict()
     workload["max_steps"] = 4

@@ -443,3 +443,41 @@ def radix_match_page_ceil():
 def python_tree_core():
     """No bug: the Python TreeCore alone (the baseline of the two patches above)."""
     _python_tree_core()
+
+
+class _PenaltyState:
+    """A per-request store one level below the runner (``runner._penalty.by_rid``)."""
+
+    def __init__(self) -> None:
+        self.by_rid: dict = {}
+
+
+def nested_state_kept_on_abort():
+    """The MLX runner keeps a per-request penalty state in an object it holds (one level
+    below its own attributes), filled at each prefill and dropped at release except for
+    an aborted request: the aborted request's entry stays."""
+    from sglang.srt.hardware_backend.mlx import model_runner, tp_worker
+
+    runner = model_runner.MlxModelRunner
+    real_finalize = runner.prefill_finalize
+
+    def store(self):
+        if "_penalty" not in self.__dict__:
+            self._penalty = _PenaltyState()
+        return self._penalty.by_rid
+
+    def prefill_finalize(self, pending, *args, **kwargs):
+        out = real_finalize(self, pending, *args, **kwargs)
+        store(self)[pending.req_id] = list(self._req_token_ids.get(pending.req_id, ()))
+        return out
+
+    worker = tp_worker.MlxTpModelWorker
+    real_prepare = worker.prepare_for_kv_cache_release
+
+    def prepare_for_kv_cache_release(self, req):
+        if req.finished_reason is None or req.finished_reason.to_json().get("type") != "abort":
+            store(self._mlx_runner).pop(req.rid, None)
+        return real_prepare(self, req)
+
+    runner.prefill_finalize = prefill_finalize
+    worker.prepare_for_kv_cache_release = prepare_for_kv_cache_release

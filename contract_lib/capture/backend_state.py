@@ -8,6 +8,9 @@ import operator
 import types
 from typing import Any
 
+# How many levels below the worker held objects are read (2: the worker's runner, and
+# what the runner holds, e.g. a cache manager keeping its own per-request dict).
+DEPTH = 2
 # Values whose attributes are code or a namespace, not state the backend keeps.
 _NOT_STATE = (types.FunctionType, types.MethodType, types.BuiltinFunctionType,
               types.ModuleType, type)
@@ -25,42 +28,57 @@ def _holds_state(value) -> bool:
 
 
 class _Layout:
-    """The worker and the objects it holds, as last read: their dict and set attributes
-    (``structures``, each read from ``sources[i][names[i]]`` at every step), and the keys
-    a step compares, in C, to know them unchanged.
+    """The worker and the objects it holds, to :data:`DEPTH` levels, as last read: their
+    dict and set attributes (``structures``, each read from ``sources[i][names[i]]`` at
+    every step), and the keys a step compares, in C, to know them unchanged.
 
     The worker's key is its attribute names and their types. The held objects' key is
-    which objects they are, how many attributes each has, and which of those are still
-    None, read without touching the attributes' values (``itemgetter``, then identity): a
-    structure added, or bound where None was (a lazy ``self._caches = None`` ...
-    ``self._caches = {}``), changes it. An attribute of a held object rebound from
+    which objects they are (each read from its holder's attributes, compared by
+    identity), how many attributes each has, and which of those are still None, read
+    without touching the attributes' values (``itemgetter``): a structure added, an
+    object replaced, or a structure bound where None was (a lazy ``self._caches = None``
+    ... ``self._caches = {}``) changes it. An attribute of a held object rebound from
     another non-container value to a dict is not seen."""
 
     def __init__(self, worker, scheduler) -> None:
-        self.worker = worker  # kept alive, as the held objects are
+        self.worker = worker  # kept alive, as the held objects are (their ids stay theirs)
         attributes = vars(worker)
-        self.held_names = tuple(name for name in sorted(attributes)
-                                if attributes[name] is not scheduler
-                                and _holds_state(attributes[name]))
-        self.held = tuple(attributes[name] for name in self.held_names)
-        self.held_dicts = tuple(vars(obj) for obj in self.held)
+        # (path, holder's attributes, name, object) per held object, breadth first; each
+        # object once, the scheduler and the worker never (they are not backend state)
+        found: list[tuple[str, dict[str, Any], str, Any]] = []
+        seen = {id(worker), id(scheduler)}
+        level = [("tp_worker", attributes)]
+        for _depth in range(DEPTH):
+            next_level = []
+            for path, holder in level:
+                for name in sorted(holder):
+                    value = holder[name]
+                    if id(value) not in seen and _holds_state(value):
+                        seen.add(id(value))
+                        found.append((f"{path}.{name}", holder, name, value))
+                        next_level.append((f"{path}.{name}", vars(value)))
+            level = next_level
+        self.held = tuple(value for *_, value in found)
+        self.holders = tuple(holder for _, holder, _, _ in found)
+        self.held_names = tuple(name for _, _, name, _ in found)
+        self.held_dicts = tuple(vars(value) for value in self.held)
         self.nones = tuple(_none_getter(d) for d in self.held_dicts)
         self.structures: list[str] = []
         self.sources: list[dict[str, Any]] = []
         self.names: list[str] = []
-        owners = [("tp_worker", attributes)] + [
-            (f"tp_worker.{name}", d) for name, d in zip(self.held_names, self.held_dicts)]
-        for owner, found in owners:
-            for name in sorted(found):
-                if _is_container(type(found[name])):
+        owners = [("tp_worker", attributes)] + [(path, vars(value))
+                                                for path, _, _, value in found]
+        for owner, holder in owners:
+            for name in sorted(holder):
+                if _is_container(type(holder[name])):
                     self.structures.append(f"{owner}.{name}")
-                    self.sources.append(found)
+                    self.sources.append(holder)
                     self.names.append(name)
         self.key = self._key(attributes)
 
     def _key(self, attributes: dict[str, Any]) -> tuple:
         return (tuple(attributes), tuple(map(type, attributes.values())),
-                tuple(map(attributes.get, self.held_names)),
+                tuple(map(id, map(dict.get, self.holders, self.held_names))),
                 tuple(map(len, self.held_dicts)),
                 tuple(map(operator.call, self.nones, self.held_dicts)))
 
@@ -80,10 +98,10 @@ def _none_getter(attributes: dict[str, Any]):
 class BackendStateRecorder:
     """Records the backend's per-request structures at every step boundary.
 
-    The backend is the scheduler's ``tp_worker`` and every object it holds (MLX:
-    ``MlxTpModelWorker``, its ``MlxModelRunner``, the bookkeeping stub, its configs;
-    torch: ``TpModelWorker``, its runner and configs), found by what they are, not by
-    name: a runner held as ``_mlx_engine`` is looked at as ``_mlx_runner`` is. A
+    The backend is the scheduler's ``tp_worker``, every object it holds and every
+    object those hold (MLX: ``MlxTpModelWorker``, its ``MlxModelRunner``, the
+    bookkeeping stub, its configs, and what the runner holds; torch: ``TpModelWorker``,
+    its runner and configs, and theirs), found by what they are, not by name: a runner held as ``_mlx_engine`` is looked at as ``_mlx_runner`` is. A
     structure is per-request when it is a dict or set attribute of one of them that has
     ever been keyed by a request id the scheduler knows; from then on every string key
     it holds is recorded, known or not. No names are assumed, so a release or a
