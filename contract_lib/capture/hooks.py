@@ -8,6 +8,9 @@ import numpy as np
 from contract_lib.capture.backend_state import BackendStateRecorder
 
 
+_FEW = 32  # lanes a decode write's index may have to be applied entry by entry
+
+
 def _numpy_index(indices):
     """The same index for the numpy view of the table (CPU tensors become arrays, no
     copy): numpy indexes a few entries in ~1 µs where torch takes ~10 µs an op. A part
@@ -184,6 +187,17 @@ class HookInstaller:
         if (isinstance(indices, tuple) and len(indices) == 2 and type(indices[0]) is int
                 and type(indices[1]) is slice):  # (row, span): the extend path's form
             self.written_by[indices] = self._row_holders()[indices[0]]
+            return
+        if (isinstance(indices, tuple) and len(indices) == 2
+                and all(getattr(part, "ndim", None) == 1  # integer tensors, not masks
+                        and getattr(part.dtype, "is_signed", False)
+                        and not part.dtype.is_floating_point for part in indices)
+                and len(indices[0]) == len(indices[1]) <= _FEW):
+            # (rows, positions) of a few lanes, the decode path's form: entry by entry
+            # (~2 µs for four; a tensor's ``numpy()`` alone costs more)
+            holders, written_by = self._row_holders(), self.written_by
+            for row, position in zip(indices[0].tolist(), indices[1].tolist()):
+                written_by[row, position] = holders[row]
             return
         index = _numpy_index(indices)
         if (isinstance(index, tuple) and len(index) == 2 and isinstance(index[1], np.ndarray)
