@@ -27,7 +27,10 @@ Tables (pandas DataFrames; the column lists below are the schema):
   (``value``: what the row held) and every stash into it (``value``: what the row holds
   after the stash, read back). The buffer is poisoned with -1 at construction. A read is
   ``published_for_rid`` when the row's last stash was by this request's holder, of its
-  latest token, and the row still holds it.
+  latest token, and the row still holds it. Rows of ``event`` ``fed`` (torch forwards):
+  each decode lane's input id as the forward got it (``row``: the request's
+  ``req_to_token`` row; ``last_published``: the request's latest token;
+  ``published_for_rid``: the two agree).
 - ``outputs``: the emitted token ids per request, at the end of the run.
 - ``effects`` (audit runs only): per step, every attribute written on the contract's
   objects, with the SGLang code location that wrote it and how often

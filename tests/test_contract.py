@@ -332,6 +332,19 @@ def test_a_reader_reached_through_another_name_is_still_recorded(
     assert not reads.duplicated(["launch", "row"]).any()
 
 
+@pytest.mark.parametrize("loop", ["normal", "overlap"])
+def test_a_gather_around_the_reader_is_checked_at_the_forward(run_cached, loop):
+    """``run_batch`` gathers the relay rows itself, in reverse, without calling the
+    reader: no read was recorded and clause 4 held as "provably unread". What the
+    forward was fed is read at the forward."""
+    report = check(run_cached("two-turn", loop, "user_patches:relay_gathered_inline"), "rfc")
+    first = report.clauses[4].first()
+    assert report.clauses[4].status == VIOLATED
+    assert (first["step"], first["rid"]) == (1, "a")
+    assert first["actual"].endswith("(fed, no recorded read)")
+    assert first["expected"].startswith("the request's latest token ")
+
+
 @pytest.mark.parametrize("patch, expected", [
     ("frozen_launch_ts", "> "), ("wall_clock_launch_ts", "(time.monotonic around its launch")])
 def test_a_launch_ts_that_does_not_tick_on_the_loops_clock_breaks_clause_3(

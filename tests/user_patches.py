@@ -301,26 +301,22 @@ def relay_reader_flipped():
     scheduler_mixin.resolve_forward_inputs = resolve_forward_inputs
 
 
-def relay_reader_on_future_map():
-    """The relay reader moved onto ``FutureMap`` (a refactor): every loop that called
-    ``resolve_forward_inputs(batch, self.future_map)`` calls ``self.future_map.resolve(batch)``,
-    which reaches the reader through its defining module, not the loops' own bindings."""
+def _replace_relay_reader_calls(call: str) -> None:
+    """Every loop's ``resolve_forward_inputs(batch, self.future_map)`` call made as
+    ``call`` instead (the torch ``run_batch`` and the MLX loop), recompiled in place."""
     import inspect
     import linecache
     import textwrap
 
     from sglang.srt.hardware_backend.mlx import scheduler_mixin
-    from sglang.srt.managers import overlap_utils
     from sglang.srt.managers.scheduler import Scheduler
 
-    overlap_utils.FutureMap.resolve = (
-        lambda self, batch: overlap_utils.resolve_forward_inputs(batch, self))
     for owner, name in ((Scheduler, "run_batch"),
                         (scheduler_mixin.SchedulerMlxOverlapMixin, "event_loop_overlap_mlx")):
         function = inspect.unwrap(inspect.getattr_static(owner, name))
         source = textwrap.dedent(inspect.getsource(function)).replace(
-            "resolve_forward_inputs(batch, self.future_map)", "self.future_map.resolve(batch)")
-        filename = f"<relay-reader-on-future-map {name}>"
+            "resolve_forward_inputs(batch, self.future_map)", call)
+        filename = f"<{call} in {name}>"
         # Its source stays readable, so a built-in fix can still patch it afterwards.
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         defined: dict = {}
@@ -328,6 +324,36 @@ def relay_reader_on_future_map():
                      flags=__import__("__future__").annotations.compiler_flag,
                      dont_inherit=True), inspect.getmodule(function).__dict__, defined)
         setattr(owner, name, defined[name])
+
+
+def relay_reader_on_future_map():
+    """The relay reader moved onto ``FutureMap`` (a refactor): every loop that called
+    ``resolve_forward_inputs(batch, self.future_map)`` calls ``self.future_map.resolve(batch)``,
+    which reaches the reader through its defining module, not the loops' own bindings."""
+    from sglang.srt.managers import overlap_utils
+
+    overlap_utils.FutureMap.resolve = (
+        lambda self, batch: overlap_utils.resolve_forward_inputs(batch, self))
+    _replace_relay_reader_calls("self.future_map.resolve(batch)")
+
+
+def relay_gathered_inline():
+    """``run_batch`` gathers a decode batch's relay rows itself (no call of the reader),
+    in reverse order when it has two or more requests: each request is fed another
+    request's token; other batches go through the reader as before."""
+    from sglang.srt.managers import overlap_utils, scheduler as scheduler_module
+
+    real = overlap_utils.resolve_forward_inputs
+
+    def gather_inputs(batch, future_map):
+        if (batch.prefill_input_ids_cpu is None and batch.input_ids is None
+                and future_map.spec_algo.is_none() and len(batch.reqs) >= 2):
+            batch.input_ids = future_map.output_tokens_buf[batch.req_pool_indices.flip(0)]
+            return None
+        return real(batch, future_map)
+
+    scheduler_module.gather_inputs = gather_inputs
+    _replace_relay_reader_calls("gather_inputs(batch, self.future_map)")
 
 
 def idle_in_flight_term_only_by_default():

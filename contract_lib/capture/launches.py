@@ -27,6 +27,7 @@ class LaunchRecording:
         rids = [req.rid for req in batch.reqs]
         lanes = prefill_lanes(batch)
         prefill = set(lanes)
+        fed = self._fed_rows(batch, rids, lanes)  # before this launch's tokens
         seq_lens = batch.seq_lens.tolist()
         for lane, (rid, seq_len, token) in enumerate(zip(rids, seq_lens, tokens)):
             # A prefill/extend lane computes up to its seq_len; a decode lane computes one
@@ -41,7 +42,28 @@ class LaunchRecording:
         launch = self._launch_row(forward_iter=batch.forward_iter, launch_ts=batch.launch_ts,
                                   mode=mode_name(batch), chained=False, rids=rids,
                                   prefilled_tokens=prefilled_tokens(batch, lanes))
-        self._emit_rows([launch, *self._forward_slots(batch, rids, seq_lens)])
+        self._emit_rows([launch, *fed, *self._forward_slots(batch, rids, seq_lens)])
+
+    def _fed_rows(self, batch, rids: list[str], lanes: list[int]) -> list[tuple]:
+        """The ``relay`` table's ``fed`` rows of the launch about to be counted: the input
+        id the forward got for each decode lane (the last lanes of ``batch.input_ids``;
+        a mixed batch puts its decode lanes after its prefill lanes), against the
+        request's latest token. Read at the forward, whatever path filled the ids:
+        a reader the hooks do not see (an inlined gather) is seen here. ``lanes``: the
+        prefill lanes; none when they are not the first lanes (a shape not read)."""
+        ids, prefills = batch.input_ids, len(lanes)
+        decodes = len(rids) - prefills
+        if (decodes <= 0 or ids is None or not hasattr(ids, "tolist") or len(ids) < decodes
+                or lanes != list(range(prefills))):
+            return []
+        kind, launch = ("mixed" if prefills else "decode"), self.launch_ct + 1
+        values = ids[len(ids) - decodes:].tolist()
+        taken = []
+        for req, rid, value in zip(batch.reqs[prefills:], rids[prefills:], values):
+            latest = self.latest_token.get(rid)
+            taken.append(("relay", ("fed", self.step, launch, self.loop, kind,
+                                    req.kv.req_pool_idx, rid, value, latest, value == latest)))
+        return taken
 
     def _forward_slots(self, batch, rids: list[str], seq_lens: list[int]) -> list[tuple]:
         """The ``forward_slots`` rows of the launch just counted: the pool slot the

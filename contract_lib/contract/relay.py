@@ -3,7 +3,11 @@
 Every read of ``future_map.output_tokens_buf`` by ``resolve_forward_inputs`` feeds each
 lane (``batch.input_ids``) the value the loop last published to that lane's row for that
 request's latest token (published: as the row held it after the stash, and unchanged
-since). A loop that never reads the relay satisfies the clause (provably unread).
+since). A loop that never reads the relay satisfies the clause (provably unread). And
+where the torch forward recorded what it was fed (``fed`` rows: each decode lane's
+input id, read at the forward), a decode lane no recorded read fed must still get its
+request's latest token: a read the hooks do not see (an inlined gather, a reader
+reached another way) is not "unread".
 """
 
 from __future__ import annotations
@@ -38,10 +42,15 @@ def _no_decode(frames: Frames) -> str | None:
         unexercised=_no_decode)
 def check_relay(frames: Frames) -> ClauseResult:
     loop = frames.loop
-    reads = frames.relay[frames.relay["event"] == "read"]
-    if reads.empty:
+    relay = frames.relay
+    reads = relay[relay["event"] == "read"]
+    unread = _fed_unread(relay, reads)
+    wrong = unread[~unread["published_for_rid"].astype(bool)]
+    if reads.empty and wrong.empty:
+        fed = f"; {len(unread)} decode lanes fed their latest token" if len(unread) else ""
         return ClauseResult(4, HOLDS, f"relay never read over {_decode_launches(frames)} "
-                            "decode/mixed launches (provably unread)", violations(4, loop, []))
+                            f"decode/mixed launches (provably unread){fed}",
+                            violations(4, loop, []))
     bad = reads[~reads["published_for_rid"].astype(bool)]
     fate = pd.Series("became the decode input id of the forward", index=bad.index)
     mixed_fate = ("reached batch.input_ids of a mixed batch (torch.cat with the prefill ids; "
@@ -59,5 +68,31 @@ def check_relay(frames: Frames) -> ClauseResult:
         "explanation": "row " + ints(bad["row"]) + " (last published: "
                        + bad["last_published"].map(_published) + ") read unpublished; "
                        "the value " + fate})
+    if len(wrong):
+        rows = pd.concat([rows, _fed_violations(wrong)], ignore_index=True).sort_values(
+            ["step", "launch"], kind="stable")
     note = f"{len(reads)} relay reads checked"
+    if len(unread):
+        note += f", {len(unread)} decode lanes fed without one"
     return result(4, loop, rows, note)
+
+
+def _fed_violations(wrong: pd.DataFrame) -> pd.DataFrame:
+    return pd.DataFrame({
+        "field": "output_tokens_buf", "step": wrong["step"].astype("int64"),
+        "launch": wrong["launch"], "rid": wrong["rid"],
+        "expected": "the request's latest token " + wrong["last_published"].map(_published),
+        "actual": ints(wrong["value"]) + " (fed, no recorded read)",
+        "explanation": "the forward's decode input id, filled without a read the hooks "
+                       "recorded (a gather around resolve_forward_inputs), is not the "
+                       "request's latest token: the model decodes from another token"})
+
+
+def _fed_unread(relay: pd.DataFrame, reads: pd.DataFrame) -> pd.DataFrame:
+    """The ``fed`` rows (a decode lane's input id at the forward) of lanes no recorded
+    read fed: those the read check does not already cover."""
+    fed = relay[relay["event"] == "fed"]
+    if fed.empty:
+        return fed
+    read = pd.MultiIndex.from_frame(reads[["launch", "rid"]])
+    return fed[~pd.MultiIndex.from_frame(fed[["launch", "rid"]]).isin(read)]

@@ -25,7 +25,7 @@ def relay_events(*runs: Frames, labels: Sequence[str] | None = None) -> Figure:
         "unpublished": dict(marker="X", color=VERMILLION, markersize=10),
     }
     for ax, frames, name in view:
-        relay = frames.relay
+        relay = frames.relay[frames.relay["event"] != "fed"]  # the buffer's own events
         mixed_steps = sorted(set(frames.launches.loc[frames.launches["mode"] == "mixed",
                                                      "step"]))
         for step in mixed_steps:
