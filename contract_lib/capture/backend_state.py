@@ -44,9 +44,11 @@ class _Layout:
         self.worker = worker  # kept alive, as the held objects are (their ids stay theirs)
         attributes = vars(worker)
         # (path, holder's attributes, name, object) per held object, breadth first; each
-        # object once, the scheduler and the worker never (they are not backend state)
+        # object once
         found: list[tuple[str, dict[str, Any], str, Any]] = []
-        seen = {id(worker), id(scheduler)}
+        # What the scheduler holds itself (its pools, configs) is its state, not the
+        # backend's, however the worker reaches it.
+        seen = {id(worker), id(scheduler), *map(id, vars(scheduler).values())}
         level = [("tp_worker", attributes)]
         for _depth in range(DEPTH):
             next_level = []
