@@ -103,7 +103,8 @@ class BackendStateRecorder:
     The backend is the scheduler's ``tp_worker``, every object it holds and every
     object those hold (MLX: ``MlxTpModelWorker``, its ``MlxModelRunner``, the
     bookkeeping stub, its configs, and what the runner holds; torch: ``TpModelWorker``,
-    its runner and configs, and theirs), found by what they are, not by name: a runner held as ``_mlx_engine`` is looked at as ``_mlx_runner`` is. A
+    its runner and configs, and theirs), except what the scheduler holds itself (its
+    pools and configs: its state), found by what they are, not by name: a runner held as ``_mlx_engine`` is looked at as ``_mlx_runner`` is. A
     structure is per-request when it is a dict or set attribute of one of them that has
     ever been keyed by a request id the scheduler knows; from then on every string key
     it holds is recorded, known or not. No names are assumed, so a release or a
