@@ -278,9 +278,13 @@ def resolved_args(scheduler) -> dict[str, Any]:
     support disables the radix cache; an MLA backend sets the page size), not as given:
     ``page_size`` and ``disable_radix_cache``."""
     args = scheduler.server_args
+    # The radix tree's own switch first (sglang-omni's scheduler keeps no resolved copy)
+    tree = getattr(scheduler, "tree_cache", None)
+    disabled = next(bool(getattr(source, name)) for source, name in (
+        (tree, "disable"), (scheduler, "disable_radix_cache"), (args, "disable_radix_cache"))
+        if hasattr(source, name))
     return {"page_size": int(getattr(scheduler, "page_size", None) or args.page_size or 1),
-            "disable_radix_cache": bool(getattr(scheduler, "disable_radix_cache",
-                                                args.disable_radix_cache))}
+            "disable_radix_cache": disabled}
 
 
 def _check_page_size(scheduler, loop: str, triton: bool) -> None:
