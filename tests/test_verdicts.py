@@ -125,6 +125,23 @@ def test_state_one_object_below_the_runner_is_still_the_backend(capsys):
             " at step 10, request a") in out
 
 
+@pytest.mark.parametrize("loop, patch, expected", [
+    ("normal", "fix-processed-tokens-counter", 0),
+    ("mlx", "fix-chained-accounting+fix-idle-predicate+fix-processed-tokens-counter"
+            "+fix-backend-state", 0),
+    ("mlx", "fix-chained-accounting+fix-idle-predicate+fix-processed-tokens-counter", 1)])
+def test_request_ids_equal_to_config_keys_are_not_backend_state(capsys, loop, patch, expected):
+    """Requests named "decode" and "type" matched keys of the runner's and the model
+    config's own dicts, which then counted as per-request state the scheduler did not
+    hold (clause 7 violated on every loop); the MLX worker's real leftovers still show."""
+    workload = str(TESTS / "workloads" / "config-named-rids.toml")
+    assert main(["check", "--loop", loop, "--workload", workload, "--out", "/dev/null",
+                 "--patch", patch]) == expected
+    out = capsys.readouterr().out
+    assert ("graph_memory_usage" not in out and "rope_parameters" not in out
+            and ("clause 7 (request state retired): field tp_worker." in out) == bool(expected))
+
+
 def test_max_steps_reached_exits_3(tmp_path, capsys):
     workload = contract_lib.load_workload("single-decode").to_dict()
     workload["max_steps"] = 4

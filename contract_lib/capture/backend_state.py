@@ -104,18 +104,28 @@ class BackendStateRecorder:
     object those hold (MLX: ``MlxTpModelWorker``, its ``MlxModelRunner``, the
     bookkeeping stub, its configs, and what the runner holds; torch: ``TpModelWorker``,
     its runner and configs, and theirs), except what the scheduler holds itself (its
-    pools and configs: its state), found by what they are, not by name: a runner held as ``_mlx_engine`` is looked at as ``_mlx_runner`` is. A
-    structure is per-request when it is a dict or set attribute of one of them that has
-    ever been keyed by a request id the scheduler knows; from then on every string key
-    it holds is recorded, known or not. No names are assumed, so a release or a
-    replacement loop that renames them is still covered.
+    pools and configs: its state), found by what they are, not by name: a runner held
+    as ``_mlx_engine`` is looked at as ``_mlx_runner`` is. A structure is per-request
+    when it is a dict or set attribute of one of them that has been keyed by a request
+    id the scheduler knows, a key it did not hold when the hooks went in (a config
+    keyed "decode" is not per-request for a request named "decode": a request id is
+    free text); from then on every string key it holds is recorded, known or not,
+    except those it held then. No names are assumed, so a release or a replacement
+    loop that renames them is still covered.
     """
 
     def __init__(self, scheduler) -> None:
         self.s = scheduler
         self.per_request: set[str] = set()  # "object.attribute" found keyed by request ids
         self._layout: _Layout | None = None
-        self._current()  # read once when the hooks go in: set-up work, not a step's
+        layout = self._current()  # read once when the hooks go in: set-up work, not a step's
+        # The keys each structure held before any request (a config's "decode", "type"):
+        # a request id is free text, so one equal to such a key is no evidence.
+        self.preexisting: dict[str, frozenset] = {} if layout is None else {
+            structure: frozenset(value)
+            for structure, value in zip(layout.structures,
+                                        map(dict.get, layout.sources, layout.names))
+            if _is_container(type(value))}
 
     def _current(self) -> _Layout | None:
         """The backend's layout, read again only when its key changed."""
@@ -139,12 +149,14 @@ class BackendStateRecorder:
             if not _is_container(type(value)):  # rebound on a held object
                 continue
             structure = layout.structures[index]
+            before = self.preexisting.get(structure, frozenset())
             if structure not in self.per_request:
                 held = value.keys() if isinstance(value, dict) else value
-                if held.isdisjoint(reqs):  # in C: no known request id among its keys
+                if held.isdisjoint(reqs) or all(  # in C: no known request id among its keys
+                        rid in before for rid in reqs if rid in held):
                     continue
                 self.per_request.add(structure)
-            keys = [k for k in value if isinstance(k, str)]
+            keys = [k for k in value if isinstance(k, str) and k not in before]
             maps_row = isinstance(value, dict) and "pool_idx" in layout.names[index]
             for key in sorted(keys):
                 row = value[key] if maps_row else None
