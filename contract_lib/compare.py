@@ -12,7 +12,9 @@ written as comma-separated ``key=value`` parts (:func:`parse_side`)::
 is the venv's SGLang, unpatched. :func:`compare` runs every (workload, loop) on both sides
 (all runs in parallel) and :class:`Comparison` says, per clause and loop, whether the head
 **fixed** it (violated on base, holds on head), **kept** it (same class of status), or
-**broke** it (not violated on base, violated on head); per run it says whether the
+**broke** it (not violated on base, violated on head); where both sides violate it,
+**worse** (the head violates a (workload, field, request) the base does not) or
+**better** (the head violates fewer of them, and none new); per run it says whether the
 emitted tokens are equal, each later turn's radix reuse, the KV pool, and the first
 step where the frames differ. SGLang's own KV pool conservation row (``leak`` /
 ``balanced``, shown when either side leaked) and, with the real MLX runner, the KV pool
@@ -29,12 +31,13 @@ code  outcome        when
                      cannot be driven, a diff that does not apply, a run that failed
                      before its loop)
 1     broke          the head broke a clause (it holds or is not exercised on base and is
-                     violated on head), whatever else it fixed
+                     violated on head), or made one it already violated worse, whatever
+                     else it fixed
 3     not-finished   a run on either side crashed, died or timed out
 4     vacuous        a run on either side was vacuous, or a clause violated on base is
                      not exercised on head (no fix was earned)
 0     fixed          the head fixed at least one clause and broke none
-5     kept           no clause changed
+5     kept           no clause changed (or one still violated got better)
 ====  =============  ===================================================================
 """
 
@@ -84,6 +87,8 @@ _BAD = {VIOLATED, MASKED, SGLANG_WIDE, "damaged", "leak"}
 _CLEAN = {HOLDS, NOT_EXERCISED, "intact", "balanced"}
 _FATES = {SETUP_ERROR: Change.USAGE, VACUOUS: Change.VACUOUS,
           "interrupted": Change.INTERRUPTED}
+# A clause violated on both sides, more or less on the head: the exit code each counts as.
+_DEGREES = {"worse": Change.BROKE, "better": Change.KEPT}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,8 +163,24 @@ class Comparison:
     runs: dict[tuple[str, str], tuple[Frames, Frames]]
     clauses: str = "all"
 
+    _checked: dict[int, dict[tuple[str, str], Report]] = dataclasses.field(
+        default_factory=dict, repr=False)
+
     def reports(self, side: int) -> dict[tuple[str, str], Report]:
-        return {key: check(pair[side], self.clauses) for key, pair in self.runs.items()}
+        if side not in self._checked:
+            self._checked[side] = {key: check(pair[side], self.clauses)
+                                   for key, pair in self.runs.items()}
+        return self._checked[side]
+
+    def violated(self, side: int, clause: int, loop: str) -> set[tuple[str, str, str]]:
+        """``(workload, field, request)`` of every violation of ``clause`` on ``loop``."""
+        found = set()
+        for (workload, run_loop), report in self.reports(side).items():
+            result = report.clauses.get(clause)
+            if run_loop == loop and result is not None:
+                found |= {(workload, str(field), str(rid)) for field, rid in zip(
+                    result.violations["field"], result.violations["rid"])}
+        return found
 
     def kv_damage(self, side: int) -> dict[tuple[str, str], bool]:
         """Real-runner runs only: whether each damaged the MLX KV pool (a row of the
@@ -180,9 +201,22 @@ class Comparison:
         for clause in tables[0].index:
             for loop in tables[0].columns:
                 base, head = tables[0].loc[clause, loop], tables[1].loc[clause, loop]
+                change = classify(_status_of(base), _status_of(head)).label
+                if change == "kept" and {_status_of(base), _status_of(head)} <= _BAD:
+                    change = self._degree(clause, loop)
                 rows.append({"clause": clause, "loop": loop, "base": base, "head": head,
-                             "change": classify(_status_of(base), _status_of(head)).label})
+                             "change": change})
         return pd.DataFrame(rows)
+
+    def _degree(self, clause: str, loop: str) -> str:
+        """A clause both sides violate: ``worse`` when the head violates a (workload,
+        field, request) the base does not, ``better`` when it violates fewer and none
+        new, else ``kept`` (and for the pool rows, which name no field)."""
+        number = clause.split(" ", 1)[0]
+        if not number.isdigit():
+            return "kept"
+        base, head = (self.violated(side, int(number), loop) for side in (0, 1))
+        return "worse" if head - base else "better" if base - head else "kept"
 
     def run_table(self) -> pd.DataFrame:
         """One row per (workload, loop): tokens equal, later turns' radix reuse, the KV
@@ -201,7 +235,8 @@ class Comparison:
 
     def outcome(self) -> Change:
         """The exit code: the first of :data:`PRECEDENCE` any clause cell has."""
-        present = {Change[c.upper().replace("-", "_")] for c in self.clause_table()["change"]}
+        present = {_DEGREES.get(c) or Change[c.upper().replace("-", "_")]
+                   for c in self.clause_table()["change"]}
         return next(c for c in PRECEDENCE if c in present or c == Change.KEPT)
 
     def text(self) -> str:
@@ -215,7 +250,7 @@ class Comparison:
                   ""]
         lines += _left(self.run_table()).splitlines()
         outcome = self.outcome()
-        changed = clauses[clauses["change"].isin(["fixed", "broke"])]
+        changed = clauses[clauses["change"].isin(["fixed", "broke", "worse", "better"])]
         said = "; ".join(f"{r.change} {r.clause} on {r.loop}" for r in changed.itertuples())
         lines += ["", f"compare: {outcome.label} (exit {int(outcome)})"
                   + (f": {said}" if said else "")]

@@ -105,6 +105,22 @@ def test_the_diff_and_its_built_in_patch_agree_and_reverting_it_breaks(diffs_dir
     assert same.run_table()["first difference"].tolist() == ["none"]
 
 
+def test_a_clause_both_sides_violate_can_get_worse_or_better():
+    """The MLX loop already violates clause 7: a head that keeps more requests' runner
+    state said "kept" (exit 5, nothing changed); it is worse (exit 1), and the reverse
+    better (still violated: exit 5)."""
+    worse = cmp.compare(None, "patch=user_patches:stale_rids_kept_by_the_runner",
+                        workloads=["two-turn"], loops=["mlx"], progress=False)
+    assert _changes(worse)[("7", "mlx")] == "worse"
+    assert worse.outcome() == cmp.Change.BROKE
+    assert worse.text().endswith("compare: broke (exit 1): worse 7 request state retired "
+                                 "on mlx")
+    better = cmp.compare("patch=user_patches:stale_rids_kept_by_the_runner", None,
+                         workloads=["two-turn"], loops=["mlx"], progress=False)
+    assert _changes(better)[("7", "mlx")] == "better"
+    assert better.outcome() == cmp.Change.KEPT
+
+
 def test_cli_compare_exit_codes(diffs_dir, capsys):
     assert main(["compare", "--head", f"diff={GOOD}", "--loop", "mlx", "two-turn"]) == 0
     out = capsys.readouterr().out

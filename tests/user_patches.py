@@ -507,3 +507,14 @@ def nested_state_kept_on_abort():
 
     runner.prefill_finalize = prefill_finalize
     worker.prepare_for_kv_cache_release = prepare_for_kv_cache_release
+
+
+def stale_rids_kept_by_the_runner():
+    """The MLX worker's stale-request cleanup no longer tells its runner: requests that
+    left the batch keep their runner caches (clause 7, already violated on the MLX loop,
+    gets worse)."""
+    from sglang.srt.hardware_backend.mlx.tp_worker import MlxTpModelWorker
+    from contract_lib.patches import patch_source
+
+    patch_source(MlxTpModelWorker, "_cleanup_stale_rids", [
+        ("self._mlx_runner.remove_request(rid)\n", "pass\n")], "stale-rids-kept")

@@ -75,7 +75,8 @@ def register(commands) -> None:
     audit_parser.set_defaults(handler=cmd_audit)
     compare_parser = commands.add_parser(
         "compare", help="the same workloads through a base and a head SGLang, side by side; "
-        "exit 0 the head fixed a clause and broke none, 1 it broke one, 5 nothing changed, "
+        "exit 0 the head fixed a clause and broke none, 1 it broke one or made one worse, "
+        "5 nothing changed, "
         "2 set-up error, 3 a run did not finish, 4 vacuous (see contract_lib/compare.py)")
     side = ("comma-separated KEY=VALUE: release=VERSION or path=TREE, then any diff=FILE "
             "and patch=NAME (repeatable, applied in order)")
