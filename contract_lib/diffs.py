@@ -46,6 +46,7 @@ class Diff:
     path: Path
     text: str
     hunks: dict[str, list[str]]  # file -> its hunks' @@ header lines, in order
+    strip: int = 1  # leading path parts its headers carry (a/, b/: 1; --no-prefix: 0)
 
     @property
     def sha256(self) -> str:
@@ -67,6 +68,7 @@ def read_diff(path: str | Path) -> Diff:
     except (OSError, UnicodeDecodeError) as exc:
         raise SourceError(f"--diff {path}: cannot read it ({exc})") from None
     hunks: dict[str, list[str]] = {}
+    prefixed: set[bool] = set()  # per file header: whether it carries a/ and b/
     current = None
     lines = text.splitlines()
     for line, following in zip(lines, lines[1:] + [""]):
@@ -74,13 +76,18 @@ def read_diff(path: str | Path) -> Diff:
             old, new = _FILE_HEADER.match(line).group(2), _FILE_HEADER.match(following).group(1)
             current = old if new == "/dev/null" else new
             hunks.setdefault(current, [])
+            prefixed.add(any(header[4:].startswith(prefix) for header, prefix in (
+                (line, "a/"), (following, "b/"))))
         elif line.startswith("@@") and current is not None:
             hunks[current].append(line)
     if not any(hunks.values()):
         raise SourceError(f"--diff {path}: no unified-diff hunk in it (expected "
                           "'--- a/python/sglang/...', '+++ b/...', '@@ ... @@' as `git diff` "
                           "writes them)")
-    diff = Diff(path, text, hunks)
+    if len(prefixed) > 1:
+        raise SourceError(f"--diff {path}: some file headers carry the a/ and b/ prefixes "
+                          "and some do not; write it with one `git diff` (or `diff -u`)")
+    diff = Diff(path, text, hunks, strip=int(prefixed.pop()))
     if not diff.package_files():
         raise SourceError(f"--diff {path}: it changes no file under {UPSTREAM_PACKAGE} "
                           f"(files: {', '.join(hunks)}); is it in the upstream repository's "
@@ -142,8 +149,8 @@ def _build(folder: Path, base: Source, diffs: list[Diff]) -> None:
         try:
             touched = {f.removeprefix("python/") for d in diffs for f in d.package_files()}
             _copy_base(_base_folder(base), tmp / "python", touched)
-            for diff in diffs:
-                _apply(diff, tmp, base)
+            for index, diff in enumerate(diffs):
+                _apply(diff, tmp, "+".join([base.label, *(d.path.name for d in diffs[:index])]))
             _compile(tmp / "python", touched)
             (tmp / COMPLETE).write_text(json.dumps(
                 {"base": base.label, "diffs": [str(d.path) for d in diffs]}, indent=1))
@@ -173,11 +180,14 @@ def _copy_base(source: Path, target: Path, touched: set[str]) -> None:
         shutil.copytree(info, target / info.name, copy_function=copy)
 
 
-def _apply(diff: Diff, folder: Path, base: Source) -> None:
-    """``git apply`` one diff's hunks under ``python/sglang/`` in ``folder``; a hunk that
-    does not apply is a :class:`SourceError` naming each rejected hunk and file."""
+def _apply(diff: Diff, folder: Path, onto: str) -> None:
+    """``git apply`` one diff's hunks under ``python/sglang/`` in ``folder`` (``onto``:
+    the SGLang it applies to, for messages); a hunk that does not apply, or a file of
+    the diff left unchanged, is a :class:`SourceError` naming each rejected hunk and
+    file."""
     command = ["git", "apply", "--verbose", "--reject", "--whitespace=nowarn",
-               f"--include={UPSTREAM_PACKAGE}*", str(diff.path.resolve())]
+               f"-p{diff.strip}", f"--include={UPSTREAM_PACKAGE}*", str(diff.path.resolve())]
+    before = {f: _content(folder / f) for f in diff.package_files()}
     # Keep git from finding a repository above the scratch folder (it would apply
     # relative to that repository's root and skip every path outside the folder).
     env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(folder.parent)}
@@ -188,10 +198,24 @@ def _apply(diff: Diff, folder: Path, base: Source) -> None:
         raise SourceError("--diff needs git (`git apply`); install git") from None
     except subprocess.TimeoutExpired:
         raise SourceError(f"--diff {diff.path}: git apply timed out") from None
-    if done.returncode == 0:
-        return
-    raise SourceError(f"--diff {diff.path} does not apply to sglang {base.label}: "
-                      f"{rejected(diff, done.stdout + done.stderr)}")
+    if done.returncode != 0:
+        crlf = (" (its lines end in CRLF, SGLang's in LF: convert it, e.g. with dos2unix)"
+                if b"\r\n" in diff.path.read_bytes() else "")
+        raise SourceError(f"--diff {diff.path} does not apply to sglang {onto}: "
+                          f"{rejected(diff, done.stdout + done.stderr)}{crlf}")
+    unchanged = [f for f, content in before.items() if _content(folder / f) == content]
+    if unchanged:  # git skips a path --include does not match, and succeeds
+        raise SourceError(f"--diff {diff.path}: git apply changed nothing in "
+                          f"{', '.join(unchanged)} (are its paths 'a/python/sglang/...' "
+                          "or 'python/sglang/...'?)")
+
+
+def _content(path: Path) -> bytes | None:
+    """A file's bytes (None: no such file)."""
+    try:
+        return path.read_bytes()
+    except (FileNotFoundError, IsADirectoryError):
+        return None
 
 
 def rejected(diff: Diff, output: str) -> str:

@@ -7,6 +7,7 @@ here from the installed package (no network).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import shutil
@@ -157,6 +158,49 @@ def test_diffs_apply_in_order_and_their_text_is_the_identity(tmp_path, diffs_dir
     spec = {"workload": "w"}
     assert cache.key({**spec, "sglang_source": first.identity}, first.sglang_dir) != \
         cache.key({**spec, "sglang_source": other.identity}, other.sglang_dir)
+
+
+def _without_prefixes(text: str) -> str:
+    """A ``git diff`` as ``git diff --no-prefix`` (or ``diff -u`` from the root) writes it."""
+    return "".join(line.replace(" a/python/", " python/").replace(" b/python/", " python/")
+                   if line.startswith(("--- ", "+++ ", "diff --git ")) else line
+                   for line in text.splitlines(keepends=True))
+
+
+def test_a_diff_without_path_prefixes_applies(tmp_path, diffs_dir):
+    """``--no-prefix`` headers (``--- python/sglang/...``) were stripped of ``python/`` by
+    git apply's default -p1, skipped by its --include, and reported as applied: the run
+    then passed on unchanged SGLang."""
+    bare = tmp_path / "bare.diff"
+    bare.write_text(_without_prefixes(GOOD.read_text()))
+    source = sources.resolve(None, [bare])
+    assert "retire_released_requests" in (
+        source.sglang_dir / "sglang/srt/managers/scheduler.py").read_text()
+
+
+def test_a_diff_git_applies_to_nothing_is_refused(tmp_path, diffs_dir):
+    """Whatever makes git apply skip a file and succeed (here a wrong strip level), a
+    file of the diff left unchanged is an error, not a pass on unchanged SGLang."""
+    from contract_lib import diffs
+
+    bare = tmp_path / "bare.diff"
+    bare.write_text(_without_prefixes(GOOD.read_text()))
+    wrong = dataclasses.replace(diffs.read_diff(bare), strip=1)
+    with pytest.raises(sources.SourceError, match="git apply changed nothing in "
+                       "python/sglang/srt/"):
+        diffs._build(diffs_dir / "x", sources.resolve(None, []), [wrong])
+
+
+def test_a_second_diff_that_does_not_apply_names_what_it_met(tmp_path, diffs_dir):
+    """The second of two diffs applies to the release plus the first, and says so; a
+    diff saved with CRLF line endings says that too."""
+    with pytest.raises(sources.SourceError, match=r"does not apply to sglang [^ ]+\+"
+                       "fix-backend-state.diff: rejected"):
+        sources.resolve(None, [GOOD, GOOD])
+    crlf = tmp_path / "crlf.diff"
+    crlf.write_bytes(GOOD.read_bytes().replace(b"\n", b"\r\n"))
+    with pytest.raises(sources.SourceError, match="CRLF"):
+        sources.resolve(None, [crlf])
 
 
 # -- source trees ------------------------------------------------------------------------------
