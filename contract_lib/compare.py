@@ -252,6 +252,9 @@ class Comparison:
         outcome = self.outcome()
         changed = clauses[clauses["change"].isin(["fixed", "broke", "worse", "better"])]
         said = "; ".join(f"{r.change} {r.clause} on {r.loop}" for r in changed.itertuples())
+        for side, name in enumerate(("base", "head")):
+            for workload, loop, fate in Status(self.reports(side)).runs_not_finished():
+                lines.append(f"run {workload} on {loop} ({name}): {fate}")
         lines += ["", f"compare: {outcome.label} (exit {int(outcome)})"
                   + (f": {said}" if said else "")]
         return "\n".join(line.rstrip() for line in lines)

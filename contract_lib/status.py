@@ -155,7 +155,11 @@ class Status:
         for (w, l), r in self.reports.items():
             fate = run_cell_status(r)
             if fate is not None:
-                out.append((w, l, f"{fate}: {r.verdict().reason}"))
+                reason, error = r.verdict().reason, r.meta.get("error") or {}
+                message = f"{error.get('type', 'error')}: {error.get('message')}"
+                if error.get("message") and error["message"] not in reason:
+                    reason += f" ({message})"
+                out.append((w, l, f"{fate}: {reason}"))
         return out
 
     def outcome(self) -> Outcome:

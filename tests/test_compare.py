@@ -121,6 +121,15 @@ def test_a_clause_both_sides_violate_can_get_worse_or_better():
     assert better.outcome() == cmp.Change.KEPT
 
 
+def test_a_run_that_did_not_finish_says_why():
+    """A head that crashes: every cell read ``crashed``, and the error was nowhere."""
+    crashed = cmp.compare(None, "patch=user_patches:raise_in_loop", workloads=["two-turn"],
+                          loops=["normal"], progress=False)
+    assert crashed.outcome() == cmp.Change.NOT_FINISHED
+    assert ("run two-turn on normal (head): crashed: " in crashed.text()
+            and "injected fault in get_next_batch_to_run" in crashed.text())
+
+
 def test_cli_compare_exit_codes(diffs_dir, capsys):
     assert main(["compare", "--head", f"diff={GOOD}", "--loop", "mlx", "two-turn"]) == 0
     out = capsys.readouterr().out
