@@ -52,6 +52,7 @@ import pandas as pd
 from contract_lib import kvpool
 from contract_lib import loops as registry
 from contract_lib.contract import HOLDS, MASKED, NOT_EXERCISED, VIOLATED, Report, check
+from contract_lib.diffs import model_free_notes
 from contract_lib.frames import Frames
 from contract_lib.harness import frames_or_raise, run_many
 from contract_lib.patches import patch_spec
@@ -255,6 +256,9 @@ class Comparison:
         for side, name in enumerate(("base", "head")):
             for workload, loop, fate in Status(self.reports(side)).runs_not_finished():
                 lines.append(f"run {workload} on {loop} ({name}): {fate}")
+        if any(registry.known(loop).mlx and pair[0].meta.get("runner") != "real"
+               for (_, loop), pair in self.runs.items()):
+            lines += model_free_notes([*self.base.diffs, *self.head.diffs])
         lines += ["", f"compare: {outcome.label} (exit {int(outcome)})"
                   + (f": {said}" if said else "")]
         return "\n".join(line.rstrip() for line in lines)

@@ -95,6 +95,25 @@ def read_diff(path: str | Path) -> Diff:
     return diff
 
 
+# Code of the package the model-free runs do not execute: on the mlx loop the model-free
+# runner (contract_lib/shims/mlx_runner.py) stands in for SGLang's MlxModelRunner.
+MODEL_FREE_STAND_INS = {
+    "python/sglang/srt/hardware_backend/mlx/model_runner.py": "MlxModelRunner"}
+
+
+def model_free_notes(paths: list[str | Path]) -> list[str]:
+    """One line per diff that changes code a model-free mlx run does not execute."""
+    notes = []
+    for path in paths:
+        for file in read_diff(path).package_files():
+            if file in MODEL_FREE_STAND_INS:
+                notes.append(f"note: --diff {path} changes {file}; on the mlx loop the "
+                             f"model-free runner stands in for its "
+                             f"{MODEL_FREE_STAND_INS[file]}, so that change runs only with "
+                             "--runner real")
+    return notes
+
+
 def with_diffs(base: Source, paths: list[str | Path]) -> Source:
     """``base`` with the diffs applied in order to a scratch copy (reused while its
     digest matches); ``base`` itself when there are none."""

@@ -203,6 +203,20 @@ def test_a_second_diff_that_does_not_apply_names_what_it_met(tmp_path, diffs_dir
         sources.resolve(None, [crlf])
 
 
+@pytest.mark.fast
+def test_a_diff_to_code_the_model_free_runner_stands_in_for_is_noted(tmp_path):
+    """A diff to the MLX MlxModelRunner changes nothing a model-free mlx run executes:
+    compare said "kept" with no hint; it is noted (use --runner real)."""
+    from contract_lib.diffs import model_free_notes
+
+    runner = tmp_path / "runner.diff"
+    runner.write_text("--- a/python/sglang/srt/hardware_backend/mlx/model_runner.py\n"
+                      "+++ b/python/sglang/srt/hardware_backend/mlx/model_runner.py\n"
+                      "@@ -1 +1 @@ class MlxModelRunner:\n-a\n+b\n")
+    [note] = model_free_notes([runner, GOOD])
+    assert "model_runner.py" in note and note.endswith("runs only with --runner real")
+
+
 # -- source trees ------------------------------------------------------------------------------
 
 

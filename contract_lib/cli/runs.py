@@ -43,6 +43,11 @@ def cmd_check(args) -> int:
         return report.verdict().code
     print()
     print(report.text())
+    if args.diff and args.runner == "model-free" and loops.known(args.loop).mlx:
+        from contract_lib.diffs import model_free_notes
+
+        for note in model_free_notes(args.diff):
+            print(note)
     kv_damaged = False
     if frames.meta.get("runner") == "real" and frames.status == "finished":
         from contract_lib import kvpool
