@@ -70,15 +70,15 @@ import pandas as pd
 
 from contract_lib.atomic import atomic_write
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 COLUMNS: dict[str, list[str]] = {
     "steps": [
         "step", "loop", "forward_ct", "result_queue_len", "is_fully_idle", "idle_probe",
         "enable_overlap", "enable_overlap_mlx", "running_bs", "running_mode",
         "last_batch_mode", "waiting_len", "kv_total", "kv_available", "kv_evictable",
-        "kv_protected", "kv_uncached", "pool_leak", "wall_time",
-        "processed_tokens_counter",
+        "kv_protected", "kv_uncached", "pool_leak", "rows_free", "rows_total",
+        "wall_time", "processed_tokens_counter",
     ],
     "launches": [
         "launch", "step", "loop", "forward_ct", "forward_iter", "launch_ts", "mode",

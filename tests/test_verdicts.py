@@ -104,6 +104,17 @@ def test_a_leak_only_the_frames_see_fails_the_check(capsys):
     assert "KV pool: first leak at step 25" in out
 
 
+def test_a_req_to_token_row_never_returned_fails_the_check(capsys):
+    """The last request's row is forgotten by ``ReqToTokenPool.free``: it looks released,
+    the KV pool balances, and SGLang's idle check (which would raise) never runs: the
+    run passed. The row law is checked at every step boundary."""
+    assert _check("--loop", "overlap", "--workload", "two-turn", "--patch",
+                  "fix-processed-tokens-counter+user_patches:row_kept_on_last_finish") == 1
+    out = capsys.readouterr().out
+    assert ("KV pool: first leak at step 21: req_to_token rows: free 7 + held by requests "
+            "0 != total 8") in out
+
+
 def test_a_runner_held_under_another_name_is_still_the_backend(capsys):
     """The MLX worker holds its runner as ``_mlx_engine`` and the runner keeps a removed
     request's cache; the worker's own structures are retired (fix-backend-state). Found

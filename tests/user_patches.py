@@ -518,3 +518,20 @@ def stale_rids_kept_by_the_runner():
 
     patch_source(MlxTpModelWorker, "_cleanup_stale_rids", [
         ("self._mlx_runner.remove_request(rid)\n", "pass\n")], "stale-rids-kept")
+
+
+def row_kept_on_last_finish():
+    """``ReqToTokenPool.free`` forgets the last request's row (``a2`` on two-turn): the
+    request looks released (no ``req_pool_idx``) but its row never returns to the free
+    list. SGLang's idle check would raise, but the workload is done before it runs."""
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    real_free = ReqToTokenPool.free
+
+    def free(self, req, *args, **kwargs):
+        if getattr(req, "rid", None) == "a2":
+            req.kv.req_pool_idx = None
+            return None
+        return real_free(self, req, *args, **kwargs)
+
+    ReqToTokenPool.free = free

@@ -23,7 +23,7 @@ class StepSnapshot:
             step, self.loop, s.forward_ct, self._in_flight(), bool(s.is_fully_idle()),
             self._idle_probe(), self._overlaps(), bool(s.enable_overlap_mlx),
             0 if running is None else len(running.reqs), mode_name(running),
-            mode_name(last), len(s.waiting_queue), *self._pool_terms(),
+            mode_name(last), len(s.waiting_queue), *self._pool_terms(), *self._row_terms(),
             time.monotonic(), getattr(s, "processed_tokens_counter", None))))
         seq_lens = self._seq_lens(running, last)
         rtt = self.req_to_token_view.of(s.req_to_token_pool.req_to_token)  # sliced in numpy
@@ -97,6 +97,15 @@ class StepSnapshot:
         return (int(self.s.max_total_num_tokens), int(stats.full_available_size),
                 int(stats.full_evictable_size), int(self.s.tree_cache.protected_size()),
                 int(uncached), bool(leak))
+
+    def _row_terms(self) -> tuple[int, int]:
+        """SGLang's own ``req_to_token`` row counts, as its idle check
+        (``_check_req_pool``) reads them: ``rows_free`` (free rows, plus rows sessions
+        hold) and ``rows_total`` (the pool's rows, pre-allocation headroom included)."""
+        pool, checker = self.s.req_to_token_pool, self.invariant_checker
+        sessions = getattr(checker.pool_stats_observer, "session_held_req_count", None)
+        return (len(pool.free_slots) + (sessions() if sessions else 0),
+                int(pool.size + getattr(pool, "pre_alloc_size", 0)))
 
     def find_invariant_checker(self) -> None:
         """Set ``invariant_checker``: SGLang's ``SchedulerInvariantChecker``, the

@@ -175,7 +175,9 @@ POOL_ROW = "KV pool conservation (SGLang InvariantChecker)"
 
 
 def check_pool(frames: Frames) -> pd.DataFrame:
-    """Steps at which SGLang's own pool conservation law did not balance."""
+    """Steps at which SGLang's own pool conservation laws did not balance: the KV pool's
+    (its checker's verdict, ``pool_leak``) and the ``req_to_token`` rows' (its idle
+    check's law at every step: free rows + rows the requests hold == the pool's rows)."""
     steps = frames.steps
     leaks = steps[steps["pool_leak"].astype(bool)]
     rows = []
@@ -183,7 +185,17 @@ def check_pool(frames: Frames) -> pd.DataFrame:
         rows.append({"step": int(r.step), "loop": r.loop, "explanation": (
             f"available {r.kv_available} + evictable {r.kv_evictable} + protected "
             f"{r.kv_protected} + uncached {r.kv_uncached} != total {r.kv_total}")})
-    return pd.DataFrame(rows, columns=["step", "loop", "explanation"])
+    held = frames.requests.dropna(subset=["req_pool_idx"]).groupby("step")[
+        "req_pool_idx"].nunique()
+    counted = steps.dropna(subset=["rows_free", "rows_total"]).assign(
+        held=lambda t: t["step"].map(held).fillna(0).astype("int64"))
+    lost = counted[counted["rows_free"] + counted["held"] != counted["rows_total"]]
+    for r in lost.itertuples(index=False):
+        rows.append({"step": int(r.step), "loop": r.loop, "explanation": (
+            f"req_to_token rows: free {int(r.rows_free)} + held by requests {r.held} != "
+            f"total {int(r.rows_total)}")})
+    return pd.DataFrame(rows, columns=["step", "loop", "explanation"]).sort_values(
+        "step", kind="stable", ignore_index=True)
 
 
 # -- aborted requests ----------------------------------------------------------------------
