@@ -89,7 +89,7 @@ COLUMNS: dict[str, list[str]] = {
         "step", "rid", "prompt_len", "emitted", "finished", "req_pool_idx", "seq_len",
         "kv_computed", "kv_committed_len", "kv_allocated_len", "cache_protected_len",
         "cached_tokens", "finish_reason", "finish_message", "retractions",
-        "decode_batch_idx", "kv_prefilled",
+        "decode_batch_idx", "kv_prefilled", "max_new_tokens",
     ],
     "slots": ["step", "rid", "req_pool_idx", "position", "slot", "slot_free", "written"],
     "forward_slots": ["launch", "step", "rid", "position", "slot"],

@@ -467,3 +467,19 @@ def test_server_args_are_read_as_sglang_resolved_them(loop, server_args, resolve
                               server_args=server_args)
     assert frames.status == "finished" and frames.meta["resolved_args"] == resolved
     assert check(frames).clauses[2].status == HOLDS
+
+
+@pytest.mark.parametrize("patch, field, step, rid, expected, actual", [
+    ("finish_after_two_tokens", "output_ids", 3, "a", 12, 2),
+    ("request_c_never_scheduled", "output_ids", 6, "c", 6, 0),
+    ("prompt_loses_its_last_token", "origin_input_ids", 1, "a", 16, 15)])
+def test_a_request_not_served_as_fed_breaks_clause_2(run_cached, patch, field, step, rid,
+                                                       expected, actual):
+    """A loop that ends requests early by length, drops one (finished, never queued), or
+    computes a shortened prompt: every counter agreed with what was computed, and it
+    passed. The prompt held must be the prompt fed, and a length finish its budget."""
+    frames = run_cached("two-turn", "overlap",
+                        f"fix-processed-tokens-counter+user_patches:{patch}")
+    first = check(frames).clauses[2].first()
+    assert (first["field"], first["step"], first["rid"]) == (field, step, rid)
+    assert (first["expected"], first["actual"]) == (expected, actual)

@@ -535,3 +535,50 @@ def row_kept_on_last_finish():
         return real_free(self, req, *args, **kwargs)
 
     ReqToTokenPool.free = free
+
+
+def finish_after_two_tokens():
+    """Every request finishes by length after two tokens, whatever its budget (the
+    finish reason and its length agree with each other, not with the request)."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
+
+    real = Req.update_finish_state
+
+    def update_finish_state(self, new_accepted_len=1):
+        if not self.finished() and len(self.output_ids) >= 2:
+            self.finished_reason, self.finished_len = FINISH_LENGTH(length=2), 2
+            return None
+        return real(self, new_accepted_len)
+
+    Req.update_finish_state = update_finish_state
+
+
+def request_c_never_scheduled():
+    """Request ``c`` is marked finished (by length, no token) instead of being queued."""
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+    from sglang.srt.managers.scheduler import Scheduler
+
+    real = Scheduler._add_request_to_queue
+
+    def _add_request_to_queue(self, req, *args, **kwargs):
+        if req.rid == "c":
+            req.finished_reason = FINISH_LENGTH(length=0)
+            return None
+        return real(self, req, *args, **kwargs)
+
+    Scheduler._add_request_to_queue = _add_request_to_queue
+
+
+def prompt_loses_its_last_token():
+    """Each prompt loses its last token when it is queued."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    real = Scheduler._add_request_to_queue
+
+    def _add_request_to_queue(self, req, is_retracted=False, *args, **kwargs):
+        if not is_retracted and not getattr(req, "_truncated", False):
+            req._truncated = True
+            req.origin_input_ids = req.origin_input_ids[:-1]
+        return real(self, req, is_retracted, *args, **kwargs)
+
+    Scheduler._add_request_to_queue = _add_request_to_queue

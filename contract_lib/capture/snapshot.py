@@ -40,7 +40,8 @@ class StepSnapshot:
                 seq_lens.get(id(req)), self.kv_computed.get(rid), kv.kv_committed_len,
                 kv.kv_allocated_len, kv.cache_protected_len, req.cached_tokens,
                 reason.get("type"), reason.get("message"), req.retraction_count,
-                getattr(req, "decode_batch_idx", None), self.kv_prefilled.get(rid))))
+                getattr(req, "decode_batch_idx", None), self.kv_prefilled.get(rid),
+                req.sampling_params.max_new_tokens)))
             if row is None or ended:
                 continue
             if free is None:

@@ -7,7 +7,9 @@ computed. The torch overlap loop's counters include its one in-flight step, and 
 length or a stop) is released, the radix tree keeps what it committed: at the first
 boundary where it holds no row, its ``cache_protected_len`` (what the tree's insert
 protected) is its committed length (at most its prompt and output), in whole pages;
-not checked when the run disables the radix cache. The extension: ``decode_batch_idx``
+not checked when the run disables the radix cache. Each request is served as fed: its
+prompt is the prompt fed, and a finish by length emitted its ``max_new_tokens``. The
+extension: ``decode_batch_idx``
 equals ``kv_computed - kv_prefilled`` (every decode launch computes exactly one position
 of each of its requests).
 """
@@ -69,11 +71,47 @@ def check_counters(frames: Frames) -> ClauseResult:
                            "committed when it was released: a later request with this "
                            "prefix prefills the rest again (silent cache loss)",
             "order": len(_COUNTERS)}))
+    parts += _served(frames, order=len(_COUNTERS) + 1)
     rows = pd.concat(parts).sort_values(["step", "order"], kind="stable").drop(
         columns="order") if parts else _NO_ROWS
     note = (f"{len(alive)} (step, request) counter sets checked, {len(released)} "
             "releases into the radix tree")
     return result(2, loop, rows, note)
+
+
+def _served(frames: Frames, order: int) -> list[pd.DataFrame]:
+    """Each request as it was fed: its prompt (``origin_input_ids``) the prompt fed (meta
+    ``prompts``; not for a request SGLang aborted, whose prompt it replaces), and at its
+    finish by length, as many tokens emitted (``output_ids``) as its ``max_new_tokens``
+    (SGLang's own, after its caps). First step each, per request."""
+    requests, parts = frames.requests, []
+    prompts = frames.meta.get("prompts") or {}
+    fed = requests["rid"].map(lambda rid: len(prompts[rid]) if rid in prompts else None)
+    aborted = set(requests.loc[requests["finish_reason"] == "abort", "rid"])
+    bad = requests[fed.notna() & (requests["prompt_len"] != fed)
+                   & ~requests["rid"].isin(aborted)].drop_duplicates("rid")
+    if len(bad):
+        parts.append(pd.DataFrame({
+            "field": "origin_input_ids", "step": bad["step"].astype("int64"),
+            "rid": bad["rid"], "expected": fed[bad.index].astype("int64").astype(object),
+            "actual": bad["prompt_len"].astype("int64").astype(object),
+            "explanation": "the prompt the scheduler holds is not the prompt fed ("
+                           + fed[bad.index].astype("int64").astype(str) + " tokens): the "
+                           "request is computed from another prompt", "order": order}))
+    if "max_new_tokens" in requests:
+        done = requests[(requests["finish_reason"] == "length")
+                        & requests["max_new_tokens"].notna()].drop_duplicates("rid")
+        bad = done[done["emitted"] != done["max_new_tokens"]]
+        if len(bad):
+            parts.append(pd.DataFrame({
+                "field": "output_ids", "step": bad["step"].astype("int64"),
+                "rid": bad["rid"],
+                "expected": bad["max_new_tokens"].astype("int64").astype(object),
+                "actual": bad["emitted"].astype("int64").astype(object),
+                "explanation": "finished by length after " + bad["emitted"].astype(
+                    "int64").astype(str) + " tokens, not its max_new_tokens: the request "
+                    "ended short (or long) of its budget", "order": order}))
+    return parts
 
 
 def _run_arg(frames: Frames, name: str):
