@@ -132,7 +132,7 @@ def verdict(report: Any, kv_damaged: bool = False) -> Verdict:
     failure = f"{error.get('type')}: {error.get('message')}" if error else ""
     if setup_failed(meta):
         return Verdict(Outcome.USAGE, f"the run failed in set-up: {failure}")
-    mismatch = loop_mismatch(meta)
+    mismatch = loop_mismatch(meta) or getattr(report, "not_overlapping", None)
     if mismatch:
         return Verdict(Outcome.USAGE, mismatch)
     clauses = [f"clause {n}" for n, r in report.clauses.items()

@@ -360,6 +360,16 @@ def test_a_loop_changed_after_the_build_is_refused_at_loop_entry(capsys):
     assert "asked for event_loop_overlap, but SGLang's dispatch entered event_loop_normal" in out
 
 
+def test_an_overlap_loop_whose_body_never_overlaps_is_another_loop(capsys):
+    """``event_loop_overlap`` bound to the normal loop's body: the dispatch enters it by
+    name with overlap on, nothing is ever in flight, clause 5 is not exercised and every
+    other clause held: it passed as the overlap loop."""
+    assert _check("--loop", "overlap", "--workload", "two-turn", "--patch",
+                  "fix-processed-tokens-counter+user_patches:overlap_body_is_normal") == 2
+    assert ("none of its 17 launches was still in flight at a step boundary"
+            in capsys.readouterr().out)
+
+
 @pytest.mark.fast
 def test_a_recorded_loop_mismatch_is_a_setup_error(saved):
     frames = saved("two-turn", "overlap")

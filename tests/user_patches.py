@@ -582,3 +582,11 @@ def prompt_loses_its_last_token():
         return real(self, req, is_retracted, *args, **kwargs)
 
     Scheduler._add_request_to_queue = _add_request_to_queue
+
+
+def overlap_body_is_normal():
+    """``event_loop_overlap`` runs the normal loop's body: SGLang's dispatch enters the
+    overlap loop by name, with overlap on, and nothing ever overlaps."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    Scheduler.event_loop_overlap = Scheduler.event_loop_normal

@@ -53,6 +53,19 @@ def _in_flight(frames: Frames) -> pd.DataFrame:
     return steps[_overlap(steps) & busy]
 
 
+def never_overlapped(frames: Frames) -> str | None:
+    """Why a finished run of an overlap loop (its steps say overlap is on) is another
+    loop: none of its launches (two or more) was still in flight at a step boundary, so
+    the loop body that ran never overlapped; else None."""
+    launches = len(frames.launches)
+    if (frames.status != "finished" or launches < 2 or not _overlap(frames.steps).any()
+            or not _in_flight(frames).empty):
+        return None
+    return (f"--loop {frames.loop} ran with overlap on, but none of its {launches} launches "
+            "was still in flight at a step boundary: the loop body that ran does not "
+            "overlap (another loop's)")
+
+
 def _no_in_flight_work(frames: Frames) -> str | None:
     if not _overlap(frames.steps).any():
         return "not an overlap loop: no in-flight work"

@@ -10,6 +10,7 @@ from typing import Any
 
 import pandas as pd
 
+from contract_lib.contract.idle import never_overlapped
 from contract_lib.contract.base import (NOT_EXERCISED, VIOLATION_COLUMNS, ClauseResult,
                                         NotExercised, violations)
 from contract_lib.contract.registry import (EXTENDED_FIELDS, REGISTRY, Check, clause_checks,
@@ -57,6 +58,8 @@ class Report:
     aborted: pd.DataFrame = dataclasses.field(
         default_factory=lambda: pd.DataFrame(columns=ABORTED_COLUMNS))
     clause_set: str = "all"
+    # Why the run of an overlap loop is another loop's (nothing ever in flight), or None.
+    not_overlapping: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -243,7 +246,7 @@ def check(frames: Frames, clauses: str = "all") -> Report:
                   clauses={number: evaluate(number, check_, frames)
                            for number, check_ in checks.items()},
                   pool=check_pool(frames), aborted=aborted_requests(frames),
-                  clause_set=clauses)
+                  clause_set=clauses, not_overlapping=never_overlapped(frames))
 
 
 def assert_contract(frames: Frames, clauses: str = "all") -> Report:
