@@ -286,7 +286,16 @@ def relay_reader_flipped():
     more requests: each request is fed another request's token (the rows themselves hold
     what was published)."""
     from sglang.srt.hardware_backend.mlx import scheduler_mixin
-    from sglang.srt.managers import overlap_utils, scheduler as scheduler_module
+    from sglang.srt.managers import scheduler as scheduler_module
+
+    scheduler_module.resolve_forward_inputs = _flipped_reader()
+    scheduler_mixin.resolve_forward_inputs = scheduler_module.resolve_forward_inputs
+
+
+def _flipped_reader():
+    """``resolve_forward_inputs``, but a decode batch of two or more requests gathers its
+    relay rows in reverse order (each request fed another's token)."""
+    from sglang.srt.managers import overlap_utils
 
     real = overlap_utils.resolve_forward_inputs
 
@@ -297,8 +306,7 @@ def relay_reader_flipped():
             return None
         return real(batch, future_map)
 
-    scheduler_module.resolve_forward_inputs = resolve_forward_inputs
-    scheduler_mixin.resolve_forward_inputs = resolve_forward_inputs
+    return resolve_forward_inputs
 
 
 def _replace_relay_reader_calls(call: str) -> None:
@@ -341,18 +349,9 @@ def relay_gathered_inline():
     """``run_batch`` gathers a decode batch's relay rows itself (no call of the reader),
     in reverse order when it has two or more requests: each request is fed another
     request's token; other batches go through the reader as before."""
-    from sglang.srt.managers import overlap_utils, scheduler as scheduler_module
+    from sglang.srt.managers import scheduler as scheduler_module
 
-    real = overlap_utils.resolve_forward_inputs
-
-    def gather_inputs(batch, future_map):
-        if (batch.prefill_input_ids_cpu is None and batch.input_ids is None
-                and future_map.spec_algo.is_none() and len(batch.reqs) >= 2):
-            batch.input_ids = future_map.output_tokens_buf[batch.req_pool_indices.flip(0)]
-            return None
-        return real(batch, future_map)
-
-    scheduler_module.gather_inputs = gather_inputs
+    scheduler_module.gather_inputs = _flipped_reader()
     _replace_relay_reader_calls("gather_inputs(batch, self.future_map)")
 
 
