@@ -79,10 +79,9 @@ class StepSnapshot:
         add a flag only one caller passes)."""
         import inspect
 
-        flags = {name: not parameter.default
-                 for name, parameter in inspect.signature(self.s.is_fully_idle).parameters.items()
-                 if isinstance(parameter.default, bool) and parameter.kind in (
-                     parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)}
+        parameters = inspect.signature(self.s.is_fully_idle).parameters.values()
+        flags = {p.name: not p.default for p in parameters if isinstance(p.default, bool)
+                 and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
         self.idle_arguments = [{name: value} for name, value in flags.items()]
         if len(flags) > 1:
             self.idle_arguments.append(flags)
