@@ -213,11 +213,17 @@ class Comparison:
         """A clause both sides violate: ``worse`` when the head violates a (workload,
         field, request) the base does not, ``better`` when it violates fewer and none
         new, else ``kept`` (and for the pool rows, which name no field)."""
+        new, gone = self._delta(clause, loop)
+        return "worse" if new else "better" if gone else "kept"
+
+    def _delta(self, clause: str, loop: str) -> tuple[int, int]:
+        """How many (workload, field, request) violations of a clause row the head adds,
+        and how many of the base's it no longer has (0, 0 for the pool rows)."""
         number = clause.split(" ", 1)[0]
         if not number.isdigit():
-            return "kept"
+            return 0, 0
         base, head = (self.violated(side, int(number), loop) for side in (0, 1))
-        return "worse" if head - base else "better" if base - head else "kept"
+        return len(head - base), len(base - head)
 
     def run_table(self) -> pd.DataFrame:
         """One row per (workload, loop): tokens equal, later turns' radix reuse, the KV
@@ -252,7 +258,10 @@ class Comparison:
         lines += _left(self.run_table()).splitlines()
         outcome = self.outcome()
         changed = clauses[clauses["change"].isin(["fixed", "broke", "worse", "better"])]
-        said = "; ".join(f"{r.change} {r.clause} on {r.loop}" for r in changed.itertuples())
+        said = "; ".join(f"{r.change} {r.clause} on {r.loop}" + (
+            " ({} (workload, field, request) violations new, {} gone)".format(
+                *self._delta(r.clause, r.loop)) if r.change in ("worse", "better") else "")
+            for r in changed.itertuples())
         for side, name in enumerate(("base", "head")):
             for workload, loop, fate in Status(self.reports(side)).runs_not_finished():
                 lines.append(f"run {workload} on {loop} ({name}): {fate}")

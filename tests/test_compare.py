@@ -114,7 +114,8 @@ def test_a_clause_both_sides_violate_can_get_worse_or_better():
     assert _changes(worse)[("7", "mlx")] == "worse"
     assert worse.outcome() == cmp.Change.BROKE
     assert worse.text().endswith("compare: broke (exit 1): worse 7 request state retired "
-                                 "on mlx")
+                                 "on mlx (6 (workload, field, request) violations new, 0 "
+                                 "gone)")
     better = cmp.compare("patch=user_patches:stale_rids_kept_by_the_runner", None,
                          workloads=["two-turn"], loops=["mlx"], progress=False)
     assert _changes(better)[("7", "mlx")] == "better"
