@@ -483,3 +483,17 @@ def test_a_request_not_served_as_fed_breaks_clause_2(run_cached, patch, field, s
     first = check(frames).clauses[2].first()
     assert (first["field"], first["step"], first["rid"]) == (field, step, rid)
     assert (first["expected"], first["actual"]) == (expected, actual)
+
+
+def test_a_prompt_sglang_truncates_is_served_as_fed(tmp_path):
+    """``allow_auto_truncate`` cuts a prompt longer than the context, and SGLang caps its
+    budget to 0 (its prefill still emits a token): both are SGLang's own doing."""
+    path = tmp_path / "truncated.toml"
+    path.write_text('name = "truncated"\nmax_steps = 60\n[server_args]\n'
+                    'allow_auto_truncate = true\ncontext_length = 64\n'
+                    '[[requests]]\nrid = "a"\nprompt_range = [20, 100]\nmax_new_tokens = 4\n'
+                    '[[requests]]\nrid = "b"\nprompt_range = [120, 130]\nmax_new_tokens = 6\n')
+    frames = contract_lib.run(str(path), "normal", patch="fix-processed-tokens-counter")
+    first = frames.requests.drop_duplicates("rid").set_index("rid")
+    assert first.loc["a", "prompt_len"] < 80 and first.loc["a", "max_new_tokens"] == 0
+    assert check(frames).clauses[2].status == HOLDS

@@ -81,14 +81,18 @@ def check_counters(frames: Frames) -> ClauseResult:
 
 def _served(frames: Frames, order: int) -> list[pd.DataFrame]:
     """Each request as it was fed: its prompt (``origin_input_ids``) the prompt fed (meta
-    ``prompts``; not for a request SGLang aborted, whose prompt it replaces), and at its
+    ``prompts``; not for a request SGLang aborted, whose prompt it replaces; at most it
+    with ``allow_auto_truncate``), and at its
     finish by length, as many tokens emitted (``output_ids``) as its ``max_new_tokens``
     (SGLang's own, after its caps). First step each, per request."""
     requests, parts = frames.requests, []
     prompts = frames.meta.get("prompts") or {}
     fed = requests["rid"].map(lambda rid: len(prompts[rid]) if rid in prompts else None)
     aborted = set(requests.loc[requests["finish_reason"] == "abort", "rid"])
-    bad = requests[fed.notna() & (requests["prompt_len"] != fed)
+    # ``allow_auto_truncate``: SGLang may cut a prompt too long for the context.
+    truncates = bool(_run_arg(frames, "allow_auto_truncate"))
+    differs = (requests["prompt_len"] > fed) if truncates else (requests["prompt_len"] != fed)
+    bad = requests[fed.notna() & differs
                    & ~requests["rid"].isin(aborted)].drop_duplicates("rid")
     if len(bad):
         parts.append(pd.DataFrame({
@@ -101,12 +105,14 @@ def _served(frames: Frames, order: int) -> list[pd.DataFrame]:
     if "max_new_tokens" in requests:
         done = requests[(requests["finish_reason"] == "length")
                         & requests["max_new_tokens"].notna()].drop_duplicates("rid")
-        bad = done[done["emitted"] != done["max_new_tokens"]]
+        # A prefill emits its token even when SGLang capped the budget to 0.
+        budget = done["max_new_tokens"].astype("int64").clip(lower=1)
+        bad = done[done["emitted"] != budget]
         if len(bad):
             parts.append(pd.DataFrame({
                 "field": "output_ids", "step": bad["step"].astype("int64"),
                 "rid": bad["rid"],
-                "expected": bad["max_new_tokens"].astype("int64").astype(object),
+                "expected": budget[bad.index].astype(object),
                 "actual": bad["emitted"].astype("int64").astype(object),
                 "explanation": "finished by length after " + bad["emitted"].astype(
                     "int64").astype(str) + " tokens, not its max_new_tokens: the request "
