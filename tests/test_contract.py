@@ -202,7 +202,8 @@ def test_mixed_chunk_reads_unpublished_relay_on_mlx_only(run_cached):
     assert red.status == VIOLATED and len(red.violations) == 3
     assert red.first()["actual"] == "-1 (never written)"
     assert "mixed batch" in red.first()["explanation"]
-    torch_reads = run_cached("mixed-chunk", "overlap").relay.query("kind == 'mixed'")
+    torch_reads = run_cached("mixed-chunk", "overlap").relay.query(
+        "kind == 'mixed' and event == 'read'")
     assert len(torch_reads) == 3 and torch_reads.published_for_rid.all()
 
 
