@@ -82,12 +82,12 @@ def check_counters(frames: Frames) -> ClauseResult:
 def _served(frames: Frames, order: int) -> list[pd.DataFrame]:
     """Each request as it was fed: its prompt (``origin_input_ids``) the prompt fed (meta
     ``prompts``; not for a request SGLang aborted, whose prompt it replaces; at most it
-    with ``allow_auto_truncate``), and at its
-    finish by length, as many tokens emitted (``output_ids``) as its ``max_new_tokens``
-    (SGLang's own, after its caps). First step each, per request."""
+    with ``allow_auto_truncate``), and at its finish by length, as many tokens emitted
+    (``output_ids``) as its ``max_new_tokens`` (SGLang's own, after its caps). First
+    step each, per request."""
     requests, parts = frames.requests, []
     prompts = frames.meta.get("prompts") or {}
-    fed = requests["rid"].map(lambda rid: len(prompts[rid]) if rid in prompts else None)
+    fed = requests["rid"].map({rid: len(prompt) for rid, prompt in prompts.items()})
     aborted = set(requests.loc[requests["finish_reason"] == "abort", "rid"])
     # ``allow_auto_truncate``: SGLang may cut a prompt too long for the context.
     truncates = bool(_run_arg(frames, "allow_auto_truncate"))

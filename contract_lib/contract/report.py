@@ -10,9 +10,9 @@ from typing import Any
 
 import pandas as pd
 
-from contract_lib.contract.idle import never_overlapped
 from contract_lib.contract.base import (NOT_EXERCISED, VIOLATION_COLUMNS, ClauseResult,
                                         NotExercised, violations)
+from contract_lib.contract.idle import never_overlapped
 from contract_lib.contract.registry import (EXTENDED_FIELDS, REGISTRY, Check, clause_checks,
                                             origin, sglang_finding)
 from contract_lib.frames import Frames, run_title
