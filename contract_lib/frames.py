@@ -70,7 +70,7 @@ import pandas as pd
 
 from contract_lib.atomic import atomic_write
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 COLUMNS: dict[str, list[str]] = {
     "steps": [
@@ -83,7 +83,7 @@ COLUMNS: dict[str, list[str]] = {
     "launches": [
         "launch", "step", "loop", "forward_ct", "forward_iter", "launch_ts", "mode",
         "chained", "rids", "processed_step", "processed_forward_iter",
-        "processed_launch_ts", "prefilled_tokens",
+        "processed_launch_ts", "prefilled_tokens", "tokens",
     ],
     "requests": [
         "step", "rid", "prompt_len", "emitted", "finished", "req_pool_idx", "seq_len",

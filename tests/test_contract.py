@@ -89,6 +89,28 @@ def test_clause2_fails_on_lagging_counter(good):
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize("token, unknown_lane, status", [(152, False, VIOLATED),
+                                                          (66, False, HOLDS),
+                                                          (152, True, HOLDS)])
+def test_clause2_fails_on_an_output_token_nothing_produced(good, token, unknown_lane,
+                                                           status):
+    """Request a's sixth token made its fifth again (152): no launch produced it there.
+    Its own token (66) holds, and so does a request with a lane whose token is unknown
+    (it is not judged)."""
+    outputs = good.outputs
+    outputs.loc[(outputs.rid == "a") & (outputs["index"] == 5), "token"] = token
+    if unknown_lane:
+        good.launches.loc[good.launches.index[0], "tokens"] = ",".join(
+            [""] * len(good.launches.iloc[0]["rids"].split(",")))
+    report = check(good)
+    assert report.clauses[2].status == status
+    if status == VIOLATED:  # (clause 1 reads the outputs too: its prefixes differ now)
+        first = report.clauses[2].first()
+        assert (first["field"], first["step"], first["rid"]) == ("output_ids", 8, "a")
+        assert (first["expected"], first["actual"]) == (66, 152)
+
+
+@pytest.mark.fast
 def test_clause3_fails_on_each_stamp(good):
     launches = good.launches
     broken = good.launches.copy()
@@ -483,6 +505,23 @@ def test_a_request_not_served_as_fed_breaks_clause_2(run_cached, patch, field, s
                         f"fix-processed-tokens-counter+user_patches:{patch}")
     first = check(frames).clauses[2].first()
     assert (first["field"], first["step"], first["rid"]) == (field, step, rid)
+    assert (first["expected"], first["actual"]) == (expected, actual)
+
+
+@pytest.mark.parametrize("loop", ["overlap", "mlx"])
+@pytest.mark.parametrize("patch, step, expected, actual", [
+    ("every_fourth_decode_processed_twice", 6, 66, 152),
+    ("decode_tokens_to_the_wrong_lanes", 3, 230, 378)])
+def test_a_result_applied_twice_or_to_other_lanes_breaks_clause_2(run_cached, loop, patch,
+                                                                  step, expected, actual):
+    """A decode result processed twice, or given to its batch's requests in reverse: every
+    counter moved with the tokens, and the runs passed (duplicated or swapped text). Each
+    request's tokens must be ones the forward produced for it, in order, each once."""
+    base = ("fix-chained-accounting+fix-idle-predicate+fix-processed-tokens-counter"
+            if loop == "mlx" else "fix-processed-tokens-counter")
+    report = check(run_cached("two-turn", loop, f"{base}+user_patches:{patch}"))
+    first = report.clauses[2].first()
+    assert (first["field"], first["step"], first["rid"]) == ("output_ids", step, "a")
     assert (first["expected"], first["actual"]) == (expected, actual)
 
 

@@ -589,3 +589,41 @@ def overlap_body_is_normal():
     from sglang.srt.managers.scheduler import Scheduler
 
     Scheduler.event_loop_overlap = Scheduler.event_loop_normal
+
+
+def every_fourth_decode_processed_twice():
+    """``process_batch_result`` handles every fourth decode result a second time (a
+    result taken from the queue without being removed): its requests get the same tokens
+    appended again, and every counter moves with them."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    real = Scheduler.process_batch_result
+    decodes = [0]
+
+    def process_batch_result(self, batch, result, *args, **kwargs):
+        processed = real(self, batch, result, *args, **kwargs)
+        if batch.forward_mode.is_decode():
+            decodes[0] += 1
+            if decodes[0] % 4 == 0:
+                real(self, batch, result, *args, **kwargs)
+        return processed
+
+    Scheduler.process_batch_result = process_batch_result
+
+
+def decode_tokens_to_the_wrong_lanes():
+    """``process_batch_result`` gives a decode batch's tokens to its requests in reverse
+    order (a result applied to the wrong lanes): each request continues another's text."""
+    import torch
+    from sglang.srt.managers.scheduler import Scheduler
+
+    real = Scheduler.process_batch_result
+
+    def process_batch_result(self, batch, result, *args, **kwargs):
+        tokens = getattr(result, "next_token_ids", None)
+        if (batch.forward_mode.is_decode() and isinstance(tokens, torch.Tensor)
+                and len(tokens) > 1 and not getattr(result, "_reversed", False)):
+            result.next_token_ids, result._reversed = tokens.flip(0), True
+        return real(self, batch, result, *args, **kwargs)
+
+    Scheduler.process_batch_result = process_batch_result

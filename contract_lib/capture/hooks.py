@@ -239,12 +239,36 @@ class HookInstaller:
             return launch
 
         def finalize_mlx_result(launch, reqs):
+            self.produced = {}
             result = real_finalize(launch, reqs)
             if result.next_token_ids is not None:
                 for req, token in zip(reqs, result.next_token_ids.tolist()):
                     self.latest_token[req.rid] = token
+            self.on_mlx_finalized(launch)
             return result
 
+        self._install_mlx_produced_hooks(getattr(worker, "_mlx_runner", None))
         worker.async_forward_batch_generation_mlx = async_forward_batch_generation_mlx
         worker.async_chained_decode_mlx = async_chained_decode_mlx
         worker.finalize_mlx_result = finalize_mlx_result
+
+    def _install_mlx_produced_hooks(self, runner) -> None:
+        """Note each token the MLX runner's finalize calls return, by request id (in
+        ``produced``): what the model produced, whatever the worker makes of it. A
+        release whose runner lacks one of them leaves its lanes unrecorded."""
+        def noting(real, rids_of):
+            def finalize(pending, *args, **kwargs):
+                tokens = real(pending, *args, **kwargs)
+                rids = rids_of(pending)
+                values = list(tokens) if hasattr(tokens, "__len__") else [tokens]
+                if len(values) == len(rids):
+                    self.produced.update(zip(rids, map(int, values)))
+                return tokens
+            return finalize
+
+        for name, rids_of in (("decode_batch_finalize", lambda pending: pending.req_ids),
+                              ("prefill_finalize", lambda pending: [pending.req_id]),
+                              ("extend_finalize", lambda pending: [pending.req_id])):
+            real = getattr(runner, name, None)
+            if real is not None:
+                setattr(runner, name, noting(real, rids_of))

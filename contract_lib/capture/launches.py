@@ -11,14 +11,16 @@ class LaunchRecording:
     state is set in ``Recorder.__init__``)."""
 
     def _launch_row(self, *, forward_iter, launch_ts, mode, chained, rids,
-                    prefilled_tokens: int = 0) -> tuple[str, tuple]:
+                    prefilled_tokens: int = 0, tokens: str | None = None
+                    ) -> tuple[str, tuple]:
         """A new launch, counted, and its ``launches`` row (for the caller to send; the
-        ``processed_*`` columns are None until its update)."""
+        ``processed_*`` columns are None until its update). ``tokens``: what the model
+        produced for each of ``rids``, comma-joined (None until known: MLX's are lazy)."""
         self.launch_ct += 1
         self.unprocessed.append(self.launch_ct)
         return ("launches", (self.launch_ct, self.step, self.loop, self.s.forward_ct,
                              forward_iter, launch_ts, mode, chained, ",".join(rids),
-                             None, None, None, prefilled_tokens))
+                             None, None, None, prefilled_tokens, tokens))
 
     def on_torch_launch(self, batch, tokens: list[int]) -> None:
         """Called by the torch model-free forward with the batch and the tokens it made."""
@@ -41,7 +43,8 @@ class LaunchRecording:
             self.kv_prefilled[rids[lane]] = self.kv_computed[rids[lane]]
         launch = self._launch_row(forward_iter=batch.forward_iter, launch_ts=batch.launch_ts,
                                   mode=mode_name(batch), chained=False, rids=rids,
-                                  prefilled_tokens=prefilled_tokens(batch, lanes))
+                                  prefilled_tokens=prefilled_tokens(batch, lanes),
+                                  tokens=",".join(map(str, tokens)))
         self._emit_rows([launch, *fed, *self._forward_slots(batch, rids, seq_lens)])
 
     def _fed_rows(self, batch, rids: list[str], lanes: list[int]) -> list[tuple]:
@@ -104,6 +107,16 @@ class LaunchRecording:
         self._emit_rows([self._launch_row(forward_iter=forward_iter, launch_ts=launch_ts,
                                           mode=mode, chained=chained, rids=rids,
                                           prefilled_tokens=prefilled_tokens(batch))])
+        self.mlx_unfinalized[id(launch)] = (self.launch_ct, rids, launch)
+
+    def on_mlx_finalized(self, launch) -> None:
+        """After ``finalize_mlx_result``: the tokens its runner calls produced (the model
+        boundary, per request id: not the worker's mapping of them onto the batch),
+        set on the launch's row in its ``rids`` order ("" for a lane without one)."""
+        number, rids, _ = self.mlx_unfinalized.pop(id(launch), (None, None, None))
+        if number is not None:
+            tokens = ",".join(str(self.produced.get(rid, "")) for rid in rids)
+            self.emit(("update", "launches", "launch", number, {"tokens": tokens}))
 
     def on_processed(self, batch, result) -> None:
         if self.resolving is not None:

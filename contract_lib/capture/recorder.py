@@ -82,6 +82,10 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
         self.req_to_token_view = NumpyView()
         self.relay_view = NumpyView()
         self.resolving: int | None = None  # omni: the launch being resolved
+        # MLX: id(launch) -> (its number, its rids, the launch, kept alive) until its
+        # result is finalized, and the tokens the runner produced in the finalize under way.
+        self.mlx_unfinalized: dict[int, tuple[int, list[str], Any]] = {}
+        self.produced: dict[str, int] = {}
         # Per request: kv_computed at the end of its last prefill/extend lane (clause 2's
         # decode_batch_idx counts the decode launches since).
         self.kv_prefilled: dict[str, int] = {}

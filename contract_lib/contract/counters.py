@@ -72,6 +72,7 @@ def check_counters(frames: Frames) -> ClauseResult:
                            "prefix prefills the rest again (silent cache loss)",
             "order": len(_COUNTERS)}))
     parts += _served(frames, order=len(_COUNTERS) + 1)
+    parts += _emitted_as_produced(frames, order=len(_COUNTERS) + 2)
     rows = pd.concat(parts).sort_values(["step", "order"], kind="stable").drop(
         columns="order") if parts else _NO_ROWS
     note = (f"{len(alive)} (step, request) counter sets checked, {len(released)} "
@@ -118,6 +119,67 @@ def _served(frames: Frames, order: int) -> list[pd.DataFrame]:
                     "int64").astype(str) + " tokens, not its max_new_tokens: the request "
                     "ended short (or long) of its budget", "order": order}))
     return parts
+
+
+def _produced(launches: pd.DataFrame) -> tuple[dict[str, list[int]], set[str]]:
+    """What the forward produced for each request, in launch order (each launch's
+    ``tokens``, aligned with its ``rids``; a launch with none, an MLX launch never
+    finalized, delivered none), and the requests with a lane whose token is unknown."""
+    produced: dict[str, list[int]] = {}
+    unknown: set[str] = set()
+    ordered = launches.sort_values("launch")
+    for rids, tokens in zip(ordered["rids"], ordered["tokens"]):
+        if not isinstance(tokens, str):
+            continue
+        lanes, values = rids.split(","), tokens.split(",")
+        if len(lanes) != len(values):  # a request id with a comma in it
+            unknown.update(lanes)
+            continue
+        for rid, value in zip(lanes, values):
+            if value:
+                produced.setdefault(rid, []).append(int(value))
+            else:
+                unknown.add(rid)
+    return produced, unknown
+
+
+def _emitted_as_produced(frames: Frames, order: int) -> list[pd.DataFrame]:
+    """Each request's tokens (``output_ids``) are tokens the forward produced for it, in
+    order, each emitted once: a subsequence of its lanes' tokens over its launches (a
+    lane's token may go unemitted: a chunk's, an overlap loop's step past the finish).
+    A result applied twice, or to another request, emits a token nothing produced
+    there. First such token per request; not judged for a request with a lane whose
+    token was not recorded."""
+    if "tokens" not in frames.launches or frames.outputs.empty:
+        return []
+    produced, unknown = _produced(frames.launches)
+    requests = frames.requests
+    rows = []
+    for rid, tokens in frames.outputs.sort_values(["rid", "index"]).groupby(
+            "rid", sort=True)["token"]:
+        if rid in unknown:
+            continue
+        stream, at = produced.get(rid, []), 0
+        for index, token in enumerate(tokens.tolist()):
+            start = at
+            while at < len(stream) and stream[at] != token:
+                at += 1
+            if at == len(stream):
+                held = requests[(requests["rid"] == rid) & (requests["emitted"] > index)]
+                rows.append({
+                    "field": "output_ids",
+                    "step": int(held["step"].min() if len(held) else requests["step"].max()),
+                    "rid": rid,
+                    "expected": stream[start] if start < len(stream) else "no further token",
+                    "actual": int(token),
+                    "explanation": f"output token {index} ({token}) is none the forward "
+                                   f"produced for the request after the tokens before it "
+                                   f"(it produced {len(stream)}, the request holds "
+                                   f"{len(tokens)}): a result applied twice, or to another "
+                                   "request", "order": order})
+                break
+            at += 1
+    return [pd.DataFrame(rows)] if rows else []
 
 
 def _run_arg(frames: Frames, name: str):
