@@ -10,10 +10,12 @@ Tables (pandas DataFrames; the column lists below are the schema):
 
 - ``steps``: one row per step boundary.
 - ``launches``: one row per forward launch (a ``run_batch`` forward, an MLX fresh or
-  chained launch), completed when ``process_batch_result`` receives that launch's batch.
+  chained launch), completed when ``process_batch_result`` receives that launch's batch;
+  ``tokens`` what the model produced for each of its ``rids`` (comma-joined, in order).
 - ``requests``: per step and request that SGLang knows about; ``finish_reason`` is the
   ``type`` of SGLang's ``req.finished_reason`` (``length``, ``stop``, ``abort``; None
-  while running), ``finish_message`` its message (an abort's reason), ``retractions``
+  while running), ``finish_message`` its message (an abort's reason),
+  ``finish_matched`` the token id a stop matched (None otherwise), ``retractions``
   SGLang's own ``req.retraction_count``.
 - ``slots``: per step, live request and position, the ``req_to_token`` entry over every
   position the request has or should have (``max(kv_computed, kv_allocated_len)``);
@@ -89,7 +91,7 @@ COLUMNS: dict[str, list[str]] = {
         "step", "rid", "prompt_len", "emitted", "finished", "req_pool_idx", "seq_len",
         "kv_computed", "kv_committed_len", "kv_allocated_len", "cache_protected_len",
         "cached_tokens", "finish_reason", "finish_message", "retractions",
-        "decode_batch_idx", "kv_prefilled", "max_new_tokens",
+        "decode_batch_idx", "kv_prefilled", "max_new_tokens", "finish_matched",
     ],
     "slots": ["step", "rid", "req_pool_idx", "position", "slot", "slot_free", "written"],
     "forward_slots": ["launch", "step", "rid", "position", "slot"],

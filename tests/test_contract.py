@@ -111,6 +111,17 @@ def test_clause2_fails_on_an_output_token_nothing_produced(good, token, unknown_
 
 
 @pytest.mark.fast
+def test_request_ids_with_commas_read_as_lanes():
+    """``launches.rids`` joins request ids with commas, and an id is free text: a run with
+    a request "p,q" was a clause 2 false red (its lanes read as "p" and "q")."""
+    from contract_lib.contract.counters import _lanes
+
+    assert _lanes("p,q,r", {"p,q", "r"}, 2) == ["p,q", "r"]
+    assert _lanes("p,q,r", {"p", "p,q", "r"}, 2) is None  # ambiguous: not judged
+    assert _lanes("a,b", {"a", "b"}, 3) is None
+
+
+@pytest.mark.fast
 def test_clause3_fails_on_each_stamp(good):
     launches = good.launches
     broken = good.launches.copy()
@@ -522,6 +533,22 @@ def test_a_result_applied_twice_or_to_other_lanes_breaks_clause_2(run_cached, lo
     report = check(run_cached("two-turn", loop, f"{base}+user_patches:{patch}"))
     first = report.clauses[2].first()
     assert (first["field"], first["step"], first["rid"]) == ("output_ids", step, "a")
+    assert (first["expected"], first["actual"]) == (expected, actual)
+
+
+@pytest.mark.parametrize("loop", ["overlap", "mlx"])
+@pytest.mark.parametrize("workload, patch, step, rid, expected, actual", [
+    ("stop-tokens", "stop_check_one_late", 7, "b", 4, 5),
+    ("abort", "abort_keeps_queued", 6, "b", 0, 1)])
+def test_a_request_served_past_its_end_breaks_clause_2(run_cached, loop, workload, patch,
+                                                       step, rid, expected, actual):
+    """A stop that ends its request a token late, and an abort that leaves its request
+    queued (served for a client told it was aborted), passed on the torch loops: the
+    first stop token must be the last, and nothing is emitted after a request ended."""
+    base = ("fix-chained-accounting+fix-idle-predicate+fix-processed-tokens-counter"
+            if loop == "mlx" else "fix-processed-tokens-counter")
+    first = check(run_cached(workload, loop, f"{base}+user_patches:{patch}")).clauses[2].first()
+    assert (first["field"], first["step"], first["rid"]) == ("output_ids", step, rid)
     assert (first["expected"], first["actual"]) == (expected, actual)
 
 

@@ -627,3 +627,27 @@ def decode_tokens_to_the_wrong_lanes():
         return real(self, batch, result, *args, **kwargs)
 
     Scheduler.process_batch_result = process_batch_result
+
+
+def stop_check_one_late():
+    """The stop-token check reads the token before the newest (an off-by-one slice): a
+    stop ends its request one step late, with one token more than the client asked."""
+    from sglang.srt.managers.schedule_batch import Req
+    from contract_lib.patches import patch_source
+
+    patch_source(Req, "update_finish_state", [
+        ("new_accepted_tokens = self.output_ids[-new_accepted_len:]\n",
+         "new_accepted_tokens = self.output_ids[-new_accepted_len - 1:-1]\n")],
+        "stop-check-one-late")
+
+
+def abort_keeps_queued():
+    """An abort of a queued request sends its abort output but leaves it in the waiting
+    queue (``waiting_queue[i]``, not ``pop(i)``): it is served anyway, for a client told
+    it was aborted."""
+    from sglang.srt.managers.scheduler import Scheduler
+    from contract_lib.patches import patch_source
+
+    patch_source(Scheduler, "abort_request", [
+        ("req = self.waiting_queue.pop(i)\n", "req = self.waiting_queue[i]\n")],
+        "abort-keeps-queued")

@@ -41,7 +41,8 @@ class StepSnapshot:
                 kv.kv_allocated_len, kv.cache_protected_len, req.cached_tokens,
                 reason.get("type"), reason.get("message"), req.retraction_count,
                 getattr(req, "decode_batch_idx", None), self.kv_prefilled.get(rid),
-                req.sampling_params.max_new_tokens)))
+                req.sampling_params.max_new_tokens,
+                matched if type(matched := reason.get("matched")) is int else None)))
             if row is None or ended:
                 continue
             if free is None:

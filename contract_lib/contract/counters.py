@@ -8,7 +8,9 @@ length or a stop) is released, the radix tree keeps what it committed: at the fi
 boundary where it holds no row, its ``cache_protected_len`` (what the tree's insert
 protected) is its committed length (at most its prompt and output), in whole pages;
 not checked when the run disables the radix cache. Each request is served as fed: its
-prompt is the prompt fed, and a finish by length emitted its ``max_new_tokens``. The
+prompt is the prompt fed, a finish by length emitted its ``max_new_tokens``, a finish on
+a stop token ends at the first token it matched, and it emits only tokens the forward
+produced for it, each once, none after it ended. The
 extension: ``decode_batch_idx``
 equals ``kv_computed - kv_prefilled`` (every decode launch computes exactly one position
 of each of its requests).
@@ -73,6 +75,7 @@ def check_counters(frames: Frames) -> ClauseResult:
             "order": len(_COUNTERS)}))
     parts += _served(frames, order=len(_COUNTERS) + 1)
     parts += _emitted_as_produced(frames, order=len(_COUNTERS) + 2)
+    parts += _ended_where_sglang_ended_it(frames, order=len(_COUNTERS) + 2)
     rows = pd.concat(parts).sort_values(["step", "order"], kind="stable").drop(
         columns="order") if parts else _NO_ROWS
     note = (f"{len(alive)} (step, request) counter sets checked, {len(released)} "
@@ -121,19 +124,36 @@ def _served(frames: Frames, order: int) -> list[pd.DataFrame]:
     return parts
 
 
-def _produced(launches: pd.DataFrame) -> tuple[dict[str, list[int]], set[str]]:
+def _lanes(rids: str, known: set[str], count: int) -> list[str] | None:
+    """A launch's ``rids`` (comma-joined) as its ``count`` request ids, where a request
+    id may itself hold commas (free text): fragments are joined until they make a known
+    id. None when they do not make ``count`` known ids."""
+    lanes, pending = [], None
+    for fragment in rids.split(","):
+        pending = fragment if pending is None else f"{pending},{fragment}"
+        if pending in known:
+            lanes.append(pending)
+            pending = None
+    return lanes if pending is None and len(lanes) == count else None
+
+
+def _produced(launches: pd.DataFrame, known: set[str]
+              ) -> tuple[dict[str, list[int]], set[str]]:
     """What the forward produced for each request, in launch order (each launch's
     ``tokens``, aligned with its ``rids``; a launch with none, an MLX launch never
-    finalized, delivered none), and the requests with a lane whose token is unknown."""
+    finalized, delivered none), and the requests with a lane whose token is unknown
+    (or in a launch whose ids do not read as ``known`` ones: all the known ids its
+    ``rids`` contains)."""
     produced: dict[str, list[int]] = {}
     unknown: set[str] = set()
     ordered = launches.sort_values("launch")
     for rids, tokens in zip(ordered["rids"], ordered["tokens"]):
         if not isinstance(tokens, str):
             continue
-        lanes, values = rids.split(","), tokens.split(",")
-        if len(lanes) != len(values):  # a request id with a comma in it
-            unknown.update(lanes)
+        values = tokens.split(",")
+        lanes = _lanes(rids, known, len(values))
+        if lanes is None:
+            unknown.update(rid for rid in known if rid in rids)
             continue
         for rid, value in zip(lanes, values):
             if value:
@@ -152,8 +172,8 @@ def _emitted_as_produced(frames: Frames, order: int) -> list[pd.DataFrame]:
     token was not recorded."""
     if "tokens" not in frames.launches or frames.outputs.empty:
         return []
-    produced, unknown = _produced(frames.launches)
     requests = frames.requests
+    produced, unknown = _produced(frames.launches, set(requests["rid"]))
     rows = []
     for rid, tokens in frames.outputs.sort_values(["rid", "index"]).groupby(
             "rid", sort=True)["token"]:
@@ -179,6 +199,49 @@ def _emitted_as_produced(frames: Frames, order: int) -> list[pd.DataFrame]:
                                    "request", "order": order})
                 break
             at += 1
+    return [pd.DataFrame(rows)] if rows else []
+
+
+def _ended_where_sglang_ended_it(frames: Frames, order: int) -> list[pd.DataFrame]:
+    """A request emits no token (``output_ids``) after it ended (finished, or ended by
+    the abort SGLang sent it), and a finish on a stop token ends it at the first
+    occurrence of the token it matched (``finish_matched``; a stop string's is not
+    read). First step each, per request."""
+    requests = frames.requests.sort_values(["rid", "step"], kind="stable")
+    outputs = frames.outputs.sort_values(["rid", "index"]).groupby("rid")["token"]
+    tokens = {rid: values.tolist() for rid, values in outputs}
+    rows = []
+    for rid, held in requests.groupby("rid", sort=True):
+        ended = held[held["finished"].astype(bool)]
+        if ended.empty:
+            continue
+        end = ended.iloc[0]
+        later = held[(held["step"] > end["step"]) & (held["emitted"] > end["emitted"])]
+        if len(later):
+            rows.append({
+                "field": "output_ids", "step": int(later["step"].iloc[0]), "rid": rid,
+                "expected": int(end["emitted"]), "actual": int(later["emitted"].iloc[0]),
+                "explanation": f"tokens emitted after the request ended at step "
+                               f"{int(end['step'])} ({end['finish_reason'] or 'abort'}): "
+                               "it was computed for a client told it was done",
+                "order": order})
+            continue
+        last = held.iloc[-1]
+        matched = last.get("finish_matched")
+        if last["finish_reason"] != "stop" or pd.isna(matched):
+            continue
+        emitted = tokens.get(rid, [])
+        stop = emitted.index(int(matched)) + 1 if int(matched) in emitted else None
+        if stop != len(emitted):
+            past = held[held["emitted"] > (stop or 0)] if stop else ended
+            rows.append({
+                "field": "output_ids", "step": int(past["step"].iloc[0]), "rid": rid,
+                "expected": stop if stop else f"a last token {int(matched)}",
+                "actual": len(emitted),
+                "explanation": f"finished on stop token {int(matched)}, but "
+                               + (f"it is token {stop} of the {len(emitted)} emitted: the "
+                                  "request went on past its stop" if stop else
+                                  "it emitted no such token"), "order": order})
     return [pd.DataFrame(rows)] if rows else []
 
 
