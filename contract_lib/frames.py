@@ -11,7 +11,8 @@ Tables (pandas DataFrames; the column lists below are the schema):
 - ``steps``: one row per step boundary.
 - ``launches``: one row per forward launch (a ``run_batch`` forward, an MLX fresh or
   chained launch), completed when ``process_batch_result`` receives that launch's batch;
-  ``tokens`` what the model produced for each of its ``rids`` (comma-joined, in order).
+  ``tokens`` what the model produced for each of its ``rids`` (comma-joined, in order);
+  ``processed_*`` the batch's stamps as ``process_batch_result`` received it.
 - ``requests``: per step and request that SGLang knows about; ``finish_reason`` is the
   ``type`` of SGLang's ``req.finished_reason`` (``length``, ``stop``, ``abort``; None
   while running), ``finish_message`` its message (an abort's reason),
@@ -85,7 +86,7 @@ COLUMNS: dict[str, list[str]] = {
     "launches": [
         "launch", "step", "loop", "forward_ct", "forward_iter", "launch_ts", "mode",
         "chained", "rids", "processed_step", "processed_forward_iter",
-        "processed_launch_ts", "prefilled_tokens", "tokens",
+        "processed_launch_ts", "prefilled_tokens", "tokens", "processed_after_idle_gap",
     ],
     "requests": [
         "step", "rid", "prompt_len", "emitted", "finished", "req_pool_idx", "seq_len",

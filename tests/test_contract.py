@@ -111,6 +111,19 @@ def test_clause2_fails_on_an_output_token_nothing_produced(good, token, unknown_
 
 
 @pytest.mark.fast
+def test_clause3_fails_on_an_idle_gap_not_stamped(good):
+    """two-turn's a2 is launched after steps in which nothing was: its batch must say so."""
+    launches = good.launches
+    gapped = launches.index[launches["processed_after_idle_gap"].astype(bool)]
+    assert len(gapped) == 1
+    launches.loc[gapped, "processed_after_idle_gap"] = False
+    first = _only(check(good), 3)
+    assert (first["field"], first["expected"], first["actual"]) == ("after_idle_gap", True,
+                                                                     False)
+    assert "launched nothing" in first["explanation"]
+
+
+@pytest.mark.fast
 def test_request_ids_with_commas_read_as_lanes():
     """``launches.rids`` joins request ids with commas, and an id is free text: a run with
     a request "p,q" was a clause 2 false red (its lanes read as "p" and "q")."""
@@ -550,6 +563,18 @@ def test_a_request_served_past_its_end_breaks_clause_2(run_cached, loop, workloa
     first = check(run_cached(workload, loop, f"{base}+user_patches:{patch}")).clauses[2].first()
     assert (first["field"], first["step"], first["rid"]) == ("output_ids", step, rid)
     assert (first["expected"], first["actual"]) == (expected, actual)
+
+
+@pytest.mark.parametrize("loop", ["normal", "overlap", "mlx"])
+def test_a_launch_after_an_idle_gap_stamped_contiguous_breaks_clause_3(run_cached, loop):
+    """Every batch stamped ``after_idle_gap = False`` (run_batch, the MLX launch): the
+    step after the idle gap before a2 was timed with the gap in it, and passed."""
+    base = ("fix-chained-accounting+fix-idle-predicate+fix-processed-tokens-counter"
+            if loop == "mlx" else "fix-processed-tokens-counter")
+    report = check(run_cached("two-turn", loop, f"{base}+user_patches:idle_gap_not_stamped"))
+    first = report.clauses[3].first()
+    assert (first["field"], first["expected"], first["actual"]) == ("after_idle_gap", True,
+                                                                     False)
 
 
 def test_a_prompt_sglang_truncates_is_served_as_fed(tmp_path):

@@ -651,3 +651,23 @@ def abort_keeps_queued():
     patch_source(Scheduler, "abort_request", [
         ("req = self.waiting_queue.pop(i)\n", "req = self.waiting_queue[i]\n")],
         "abort-keeps-queued")
+
+
+def idle_gap_not_stamped():
+    """Every launched batch is stamped as contiguous with the previous one
+    (``after_idle_gap`` False; torch ``run_batch`` and the MLX launch): the step after an
+    idle gap is timed with the gap in it."""
+    from sglang.srt.hardware_backend.mlx.scheduler_mixin import SchedulerMlxOverlapMixin
+    from sglang.srt.managers.scheduler import Scheduler
+
+    def unstamped(real):
+        def launch(self, batch, *args, **kwargs):
+            launched = real(self, batch, *args, **kwargs)
+            batch.after_idle_gap = False
+            return launched
+        return launch
+
+    Scheduler.run_batch = unstamped(Scheduler.run_batch)
+    for owner in (SchedulerMlxOverlapMixin, Scheduler):
+        if "_prepare_mlx_launch" in vars(owner):
+            owner._prepare_mlx_launch = unstamped(vars(owner)["_prepare_mlx_launch"])

@@ -20,7 +20,7 @@ class LaunchRecording:
         self.unprocessed.append(self.launch_ct)
         return ("launches", (self.launch_ct, self.step, self.loop, self.s.forward_ct,
                              forward_iter, launch_ts, mode, chained, ",".join(rids),
-                             None, None, None, prefilled_tokens, tokens))
+                             None, None, None, prefilled_tokens, tokens, None))
 
     def on_torch_launch(self, batch, tokens: list[int]) -> None:
         """Called by the torch model-free forward with the batch and the tokens it made."""
@@ -129,6 +129,7 @@ class LaunchRecording:
             "processed_step": self.step,
             "processed_forward_iter": batch.forward_iter,
             "processed_launch_ts": batch.launch_ts,
+            "processed_after_idle_gap": getattr(batch, "after_idle_gap", None),
         }))
 
     # -- relay ------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ receives for it carries ``forward_iter == forward_ct`` of that launch and a set
 ``launch_ts``: the stamp the batch had when it was launched (where the launch recorded
 one), increasing over launches, and taken at the launch on the loop's clock
 (``time.monotonic()``, as SGLang stamps it and the frames' ``wall_time`` is taken):
-between the step boundary the launch followed and the next one.
+between the step boundary the launch followed and the next one. And ``after_idle_gap``
+(where the release has it) says whether an iteration launched nothing since the
+previous launch (``_record_step_counters`` reads it to time the step).
 """
 
 from __future__ import annotations
@@ -53,6 +55,12 @@ def check_stamps(frames: Frames) -> ClauseResult:
     earliest = processed["step"].map(clock)
     latest = (processed["step"] + 1).map(clock).fillna(float("inf"))
     off_clock = processed[(ts < earliest) | (ts > latest)]
+    # An iteration that launched nothing (a step no launch is at) is an idle gap: the
+    # next launch's batch must say so (launch steps never decrease over launches).
+    previous_step = launches["step"].shift(1, fill_value=-1)[processed.index]
+    after_gap = processed["step"] - previous_step > 1
+    stamped_gap = processed["processed_after_idle_gap"]
+    bad_gap = processed[stamped_gap.notna() & (stamped_gap.astype(object) != after_gap)]
     parts = []  # a table per kind of violation found (each ~1 ms of pandas to build)
     if len(bad_ct):
         parts.append(_rows(
@@ -94,6 +102,17 @@ def check_stamps(frames: Frames) -> ClauseResult:
             [f"{value:.6f}" for value in ts[off_clock.index]],
             "launch_ts is not a stamp of the loop's clock taken at the launch; "
             "_record_step_counters subtracts time.monotonic() stamps from it"))
+    if len(bad_gap):
+        gap = after_gap[bad_gap.index]
+        parts.append(_rows(
+            "after_idle_gap", bad_gap, "processed_step", gap.astype(object),
+            bad_gap["processed_after_idle_gap"].astype(object),
+            [f"steps {int(low) + 1} to {int(high) - 1} launched nothing before this launch"
+             if idle else f"the previous launch was at step {int(low)}, this one at "
+             f"{int(high)}: no idle iteration between" for idle, low, high in
+             zip(gap, previous_step[bad_gap.index], bad_gap["step"])]))
+        parts[-1]["explanation"] += ("; _record_step_counters times a step after an idle "
+                                     "gap from its own launch, not the previous step's")
     rows = pd.concat(parts or [pd.DataFrame(columns=["step"])])
     rows["step"] = rows["step"].astype("int64")
     note = f"{len(launches)} launches checked"
