@@ -124,6 +124,24 @@ def test_clause3_fails_on_an_idle_gap_not_stamped(good):
 
 
 @pytest.mark.fast
+def test_clause2_fails_on_a_stop_token_before_the_last(good):
+    """Request b finished on its next-to-last token, as a stop, and no step shows its last
+    token (outputs are read after the last step, as a crashed run's may be): reported at
+    the step it ended, not an error."""
+    requests, outputs = good.requests, good.outputs
+    tokens = outputs.loc[outputs.rid == "b", "token"].tolist()
+    assert tokens.index(tokens[-2]) == len(tokens) - 2
+    b = requests.rid == "b"
+    ended = requests.index[b & requests.finished.astype(bool)]
+    requests.loc[ended, ["finish_reason", "finish_matched"]] = ["stop", tokens[-2]]
+    requests.loc[b, "emitted"] = requests.loc[b, "emitted"].clip(upper=len(tokens) - 1)
+    rows = check(good).clauses[2].violations
+    first = rows[rows.rid == "b"].iloc[0]
+    assert (first["field"], first["step"], first["expected"], first["actual"]) == (
+        "output_ids", int(requests.loc[ended, "step"].min()), len(tokens) - 1, len(tokens))
+
+
+@pytest.mark.fast
 def test_request_ids_with_commas_read_as_lanes():
     """``launches.rids`` joins request ids with commas, and an id is free text: a run with
     a request "p,q" was a clause 2 false red (its lanes read as "p" and "q")."""

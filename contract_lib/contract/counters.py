@@ -233,9 +233,12 @@ def _ended_where_sglang_ended_it(frames: Frames, order: int) -> list[pd.DataFram
         emitted = tokens.get(rid, [])
         stop = emitted.index(int(matched)) + 1 if int(matched) in emitted else None
         if stop != len(emitted):
-            past = held[held["emitted"] > (stop or 0)] if stop else ended
+            # The step the token past the stop shows (outputs are read after the last
+            # step: a crashed run's may show none), else the step it ended.
+            past = held[held["emitted"] > stop] if stop else ended
             rows.append({
-                "field": "output_ids", "step": int(past["step"].iloc[0]), "rid": rid,
+                "field": "output_ids", "step": int((past if len(past) else ended)["step"].iloc[0]),
+                "rid": rid,
                 "expected": stop if stop else f"a last token {int(matched)}",
                 "actual": len(emitted),
                 "explanation": f"finished on stop token {int(matched)}, but "
