@@ -139,8 +139,9 @@ def verdict(report: Any, kv_damaged: bool = False) -> Verdict:
                if r.violations is not None and not r.violations.empty]
     found = [f"{', '.join(clauses)} violated"] if clauses else []
     if not report.pool.empty:
-        found.append("SGLang's KV pool conservation law did not balance (first at step "
-                     f"{report.pool['step'].iloc[0]})")
+        first = report.pool.iloc[0]
+        found.append(f"the KV pool's accounting did not balance (first at step "
+                     f"{first['step']}: {first['explanation']})")
     if kv_damaged:
         found.append("the MLX KV pool was damaged")
     if found:

@@ -200,10 +200,33 @@ def test_a_pool_leak_fails_the_run(good):
     report = check(good)
     assert list(report.pool.step) == [4] and not report.ok
     assert report.verdict().reason.startswith(
-        "SGLang's KV pool conservation law did not balance (first at step 4)")
+        "the KV pool's accounting did not balance (first at step 4: available ")
     with pytest.raises(ContractViolation, match=r"^KV pool conservation \(SGLang "
                                                 r"InvariantChecker\) on \w+: first leak at step 4"):
         assert_contract(good)
+
+
+@pytest.mark.fast
+def test_a_tree_lock_with_no_request_fails_the_run(good):
+    """The radix tree protecting KV at a step where no request holds a row (a lock never
+    released): SGLang's own law counts protected slots as accounted for."""
+    last = good.steps.index[-1]
+    good.steps.loc[last, "kv_protected"] = 27
+    report = check(good)
+    assert list(report.pool.step) == [good.steps.loc[last, "step"]]
+    assert "protected 27 with no request holding a row" in report.verdict().reason
+
+
+@pytest.mark.parametrize("loop", ["normal", "overlap", "mlx"])
+def test_a_release_that_keeps_its_tree_lock_fails_the_run(run_cached, loop):
+    """``release_kv_cache`` never unlocking the request's node: its prefix stays protected
+    (never evictable) and the runs passed. First seen at the idle steps before a2."""
+    base = ("fix-chained-accounting+fix-idle-predicate+fix-processed-tokens-counter"
+            if loop == "mlx" else "fix-processed-tokens-counter")
+    report = check(run_cached("two-turn", loop,
+                              f"{base}+user_patches:release_keeps_the_tree_lock"))
+    assert not report.ok and "a radix tree lock never released" in report.pool.iloc[0][
+        "explanation"]
 
 
 # -- the torch loops are the reference ------------------------------------------------------

@@ -671,3 +671,21 @@ def idle_gap_not_stamped():
     for owner in (SchedulerMlxOverlapMixin, Scheduler):
         if "_prepare_mlx_launch" in vars(owner):
             owner._prepare_mlx_launch = unstamped(vars(owner)["_prepare_mlx_launch"])
+
+
+def release_keeps_the_tree_lock():
+    """``release_kv_cache`` gives the row back but never unlocks the request's tree node:
+    a finished request's prefix stays protected, never evictable (under pressure the
+    scheduler can no longer admit anything)."""
+    import sys
+
+    from sglang.srt.mem_cache import common
+    from contract_lib.patches import patch_source
+
+    original = common.release_kv_cache
+    patch_source(common, "release_kv_cache", [("tree_cache.unlock(req.lock)\n", "pass\n")],
+                 "release-keeps-the-tree-lock")
+    for module in list(sys.modules.values()):  # the modules that imported it by name
+        if (getattr(module, "__name__", "").startswith("sglang")
+                and getattr(module, "release_kv_cache", None) is original):
+            module.release_kv_cache = common.release_kv_cache

@@ -180,7 +180,8 @@ POOL_ROW = "KV pool conservation (SGLang InvariantChecker)"
 def check_pool(frames: Frames) -> pd.DataFrame:
     """Steps at which SGLang's own pool conservation laws did not balance: the KV pool's
     (its checker's verdict, ``pool_leak``) and the ``req_to_token`` rows' (its idle
-    check's law at every step: free rows + rows the requests hold == the pool's rows)."""
+    check's law at every step: free rows + rows the requests hold == the pool's rows);
+    and steps at which the radix tree protects KV while no request holds a row."""
     steps = frames.steps
     leaks = steps[steps["pool_leak"].astype(bool)]
     rows = []
@@ -197,6 +198,14 @@ def check_pool(frames: Frames) -> pd.DataFrame:
         rows.append({"step": int(r.step), "loop": r.loop, "explanation": (
             f"req_to_token rows: free {int(r.rows_free)} + held by requests {r.held} != "
             f"total {int(r.rows_total)}")})
+    # The radix tree's locks are taken for requests (their matched prefix): with no
+    # request holding a row, none may be left (a lock never released keeps that KV
+    # from eviction for good; the law above counts it as accounted for).
+    locked = counted[(counted["held"] == 0) & (counted["kv_protected"] > 0)]
+    for r in locked.itertuples(index=False):
+        rows.append({"step": int(r.step), "loop": r.loop, "explanation": (
+            f"protected {int(r.kv_protected)} with no request holding a row: a radix tree "
+            "lock never released (that KV can never be evicted)")})
     return pd.DataFrame(rows, columns=["step", "loop", "explanation"]).sort_values(
         "step", kind="stable", ignore_index=True)
 
