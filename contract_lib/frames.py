@@ -43,6 +43,10 @@ Tables (pandas DataFrames; the column lists below are the schema):
   ``structure`` (``tp_worker._mlx_active_rids``, ``tp_worker._mlx_runner._req_caches``,
   ...) and, for a structure that maps the request to a ``req_to_token`` row, that
   ``row`` (:class:`contract_lib.capture.BackendStateRecorder`; clause 7).
+- ``evictions``: every call of the KV allocator's ``evict_to_free_tokens`` that asked the
+  radix tree to evict or changed it: the tokens the allocation needed (``need``), those
+  free then (``available``), the most it ``asked`` the tree for, and the tree's
+  evictable tokens before and after (:mod:`contract_lib.capture.evictions`; clause 2).
 - ``kv_syncs`` (``runner="real"`` only): every position written into the MLX attention
   KV pool: step, request, kind (``prefill``, ``extend``, ``release``, ``flush``,
   ``remove``; ``dropped`` for positions a clamped release leaves out), position, slot,
@@ -105,6 +109,8 @@ COLUMNS: dict[str, list[str]] = {
     "kv_syncs": ["step", "rid", "kind", "position", "slot", "target", "owner"],
     "kv_pool": ["rid", "position", "slot", "verdict", "max_abs_diff"],
     "backend_state": ["step", "rid", "structure", "row"],
+    "evictions": ["step", "need", "available", "asked", "evictable_before",
+                  "evictable_after"],
 }
 
 WALL_CLOCK_COLUMNS: dict[str, list[str]] = {

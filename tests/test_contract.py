@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 import contract_lib
@@ -13,6 +14,7 @@ from contract_lib.contract import (HOLDS, MASKED, NOT_EXERCISED, VIOLATED, Contr
 from contract_lib.verdict import unsupported
 
 WORKLOADS = contract_lib.workload_names()
+WORKLOADS_DIR = Path(__file__).parent / "workloads"
 
 
 def _statuses(report):
@@ -139,6 +141,23 @@ def test_clause2_fails_on_a_stop_token_before_the_last(good):
     first = rows[rows.rid == "b"].iloc[0]
     assert (first["field"], first["step"], first["expected"], first["actual"]) == (
         "output_ids", int(requests.loc[ended, "step"].min()), len(tokens) - 1, len(tokens))
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("asked, evicted, status", [(8, 10, HOLDS), (9, 10, VIOLATED),
+                                                    (None, 0, HOLDS)])
+def test_clause2_fails_on_an_eviction_beyond_the_shortfall(good, asked, evicted, status):
+    """An allocation of 50 tokens with 42 free may have the tree evict 8 (it may free a
+    whole leaf more); asking for 9 throws cached prefixes away."""
+    good.tables["evictions"] = pd.DataFrame([{
+        "step": 5, "need": 50, "available": 42, "asked": asked,
+        "evictable_before": 38, "evictable_after": 38 - evicted}])
+    report = check(good)
+    assert report.clauses[2].status == status
+    if status == VIOLATED:
+        first = _only(report, 2)
+        assert (first["field"], first["step"], first["expected"], first["actual"]) == (
+            "evict_for_alloc", 5, "<= 8", 9)
 
 
 @pytest.mark.fast
@@ -616,6 +635,28 @@ def test_a_launch_after_an_idle_gap_stamped_contiguous_breaks_clause_3(run_cache
     first = report.clauses[3].first()
     assert (first["field"], first["expected"], first["actual"]) == ("after_idle_gap", True,
                                                                      False)
+
+
+@pytest.mark.parametrize("loop", ["normal", "overlap", "mlx"])
+@pytest.mark.parametrize("patch, step, expected, actual", [
+    ("evict_the_whole_need", 12, "<= {short}", 50),
+    ("evict_without_shortfall", 0, "<= 0", 16)])
+def test_an_eviction_beyond_the_shortfall_breaks_clause_2(run_cached, loop, patch, step,
+                                                          expected, actual):
+    """SGLang #32016 reintroduced (the tree asked to evict the whole allocation, not its
+    shortfall) and a shortfall that forgets what is free: cached prefixes were thrown
+    away (c re-prefilled a2's prompt) and every run passed."""
+    base = ("fix-chained-accounting+fix-idle-predicate+fix-processed-tokens-counter"
+            if loop == "mlx" else "fix-processed-tokens-counter")
+    frames = run_cached(str(WORKLOADS_DIR / "evict-shortfall.toml"), loop,
+                        f"{base}+user_patches:{patch}")
+    first = check(frames).clauses[2].first()
+    row = frames.evictions.iloc[0] if step == 0 else frames.evictions.set_index("step").loc[
+        step]
+    short = int(row["need"] - row["available"])
+    assert (first["field"], first["step"], first["actual"]) == ("evict_for_alloc", step,
+                                                                actual)
+    assert first["expected"] == expected.format(short=short)
 
 
 def test_a_prompt_sglang_truncates_is_served_as_fed(tmp_path):

@@ -689,3 +689,27 @@ def release_keeps_the_tree_lock():
         if (getattr(module, "__name__", "").startswith("sglang")
                 and getattr(module, "release_kv_cache", None) is original):
             module.release_kv_cache = common.release_kv_cache
+
+
+def evict_the_whole_need():
+    """SGLang #32016, reintroduced: the allocator asks the radix tree to evict the whole
+    allocation (``num_tokens``), not its shortfall past what is free: cached prefixes are
+    thrown away under memory pressure for nothing."""
+    from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
+    from contract_lib.patches import patch_source
+
+    patch_source(BaseTokenToKVPoolAllocator, "evict_to_free_tokens", [
+        ("tree_cache.evict_for_alloc(EvictParams(num_tokens=shortfall))\n",
+         "tree_cache.evict_for_alloc(EvictParams(num_tokens=num_tokens))\n")],
+        "evict-the-whole-need")
+
+
+def evict_without_shortfall():
+    """The allocator's shortfall forgets what is free (``shortfall = num_tokens``): every
+    allocation evicts cached prefixes, even with the pool nearly empty."""
+    from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
+    from contract_lib.patches import patch_source
+
+    patch_source(BaseTokenToKVPoolAllocator, "evict_to_free_tokens", [
+        ("shortfall = num_tokens - self.available_size()\n", "shortfall = num_tokens\n")],
+        "evict-without-shortfall")

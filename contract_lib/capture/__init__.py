@@ -24,6 +24,8 @@ records, and calls the original:
   left by a row's previous holder shows as not ``written``.
 - :class:`BackendStateRecorder` wraps nothing: at each step boundary it reads the
   backend's per-request dicts and sets (table ``backend_state``, clause 7).
+- The KV allocator's ``evict_to_free_tokens`` and the radix tree's ``evict_for_alloc`` /
+  ``evict`` (instance): what each eviction needed, asked and took (table ``evictions``).
 
 On sglang-omni's ``OmniScheduler`` (loop ``omni``, :mod:`contract_lib.omni`) the step
 boundary is ``recv_requests`` (the first call of its loop iteration after the admin
@@ -36,7 +38,7 @@ queue), scripted requests go into its ``inbox``, the registry wraps its
 Modules: :mod:`.recorder` (state, the step boundary, feed and stop), built from
 :mod:`.hooks` (installing the hooks), :mod:`.launches` (launch and relay rows) and
 :mod:`.snapshot` (the step-boundary frame); :mod:`.backend_state` (clause 7's table);
-:mod:`.batches` (helpers reading SGLang's batches and allocator).
+:mod:`.evictions` (the allocator's evictions); :mod:`.batches` (helpers reading SGLang's batches and allocator).
 """
 
 from contract_lib.capture.backend_state import BackendStateRecorder

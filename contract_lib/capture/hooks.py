@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from contract_lib.capture.backend_state import BackendStateRecorder
+from contract_lib.capture.evictions import EvictionRecorder
 
 
 _FEW = 32  # lanes a decode write's index may have to be applied entry by entry
@@ -68,6 +69,8 @@ class HookInstaller:
         if self.mlx:
             self._install_mlx_launch_hooks()
         self.backend = BackendStateRecorder(self.s)
+        EvictionRecorder(self.s, lambda: self.step,
+                         lambda row: self._emit_rows([("evictions", row)]))
         self.find_invariant_checker()
         self.find_idle_arguments()
 

@@ -76,6 +76,7 @@ def check_counters(frames: Frames) -> ClauseResult:
     parts += _served(frames, order=len(_COUNTERS) + 1)
     parts += _emitted_as_produced(frames, order=len(_COUNTERS) + 2)
     parts += _ended_where_sglang_ended_it(frames, order=len(_COUNTERS) + 2)
+    parts += _evicted_beyond_need(frames, order=len(_COUNTERS) + 3)
     rows = pd.concat(parts).sort_values(["step", "order"], kind="stable").drop(
         columns="order") if parts else _NO_ROWS
     note = (f"{len(alive)} (step, request) counter sets checked, {len(released)} "
@@ -246,6 +247,37 @@ def _ended_where_sglang_ended_it(frames: Frames, order: int) -> list[pd.DataFram
                                   "request went on past its stop" if stop else
                                   "it emitted no such token"), "order": order})
     return [pd.DataFrame(rows)] if rows else []
+
+
+def _evicted_beyond_need(frames: Frames, order: int) -> list[pd.DataFrame]:
+    """The KV allocator evicts from the radix tree only what an allocation is short of:
+    each ``evict_to_free_tokens`` call asks the tree for at most its shortfall
+    (``need - available``, in whole pages, at least one page), and one that was short
+    of nothing evicts nothing. Evicting more throws away cached prefixes a later
+    request would have reused (silent cache loss)."""
+    evictions = frames.tables.get("evictions")
+    if evictions is None or evictions.empty:
+        return []
+    page = int(_run_arg(frames, "page_size") or 1)
+    short = (evictions["need"] - evictions["available"]).clip(lower=0)
+    bound = ((short + page - 1) // page * page).clip(lower=page).where(short > 0, 0)
+    asked = pd.to_numeric(evictions["asked"], errors="coerce")
+    evicted = evictions["evictable_before"] - evictions["evictable_after"]
+    bad = evictions[(asked > bound) | ((short == 0) & (evicted > 0))]
+    if bad.empty:
+        return []
+    return [pd.DataFrame({
+        "field": "evict_for_alloc", "step": bad["step"].astype("int64"), "rid": None,
+        "expected": [f"<= {int(b)}" for b in bound[bad.index]],
+        "actual": [int(a) if a == a else int(e) for a, e in
+                   zip(asked[bad.index], evicted[bad.index])],
+        "explanation": [f"an allocation of {int(n)} tokens with {int(f)} free ({int(g)} "
+                        f"short) had the radix tree evict beyond that ({int(e)} of its "
+                        f"{int(c)} cached tokens evicted): cached prefixes thrown away for "
+                        "nothing (silent cache loss)" for n, f, g, e, c in
+                        zip(bad["need"], bad["available"], short[bad.index],
+                            evicted[bad.index], bad["evictable_before"])],
+        "order": order})]
 
 
 def _run_arg(frames: Frames, name: str):
