@@ -161,6 +161,17 @@ def test_clause2_fails_on_an_eviction_beyond_the_shortfall(good, asked, evicted,
 
 
 @pytest.mark.fast
+def test_clause2_fails_on_a_retraction_count_with_no_retraction(good):
+    """Request a's count rises at step 6 though it kept its row: the count is users'
+    ``num_retractions``."""
+    requests = good.requests
+    requests.loc[(requests.rid == "a") & (requests.step >= 6), "retractions"] = 1
+    first = _only(check(good), 2)
+    assert (first["field"], first["step"], first["rid"], first["expected"],
+            first["actual"]) == ("retraction_count", 6, "a", 0, 1)
+
+
+@pytest.mark.fast
 def test_request_ids_with_commas_read_as_lanes():
     """``launches.rids`` joins request ids with commas, and an id is free text: a run with
     a request "p,q" was a clause 2 false red (its lanes read as "p" and "q")."""
@@ -657,6 +668,22 @@ def test_an_eviction_beyond_the_shortfall_breaks_clause_2(run_cached, loop, patc
     assert (first["field"], first["step"], first["actual"]) == ("evict_for_alloc", step,
                                                                 actual)
     assert first["expected"] == expected.format(short=short)
+
+
+@pytest.mark.parametrize("loop, workload, step, rid", [
+    ("normal", "retraction", 19, "b"), ("overlap", "retraction", 19, "b"),
+    ("mlx", "memory-pressure", 28, "d")])
+def test_a_retraction_not_counted_breaks_clause_2(run_cached, loop, workload, step, rid):
+    """``reset_for_retract`` not counting: users' ``num_retractions`` read 0 for a
+    retracted request (and the MLX worker's cleanup keyed on the count misses it); the
+    runs passed. A request that gives its row back unfinished must be counted."""
+    base = ("fix-chained-accounting+fix-idle-predicate+fix-processed-tokens-counter"
+            if loop == "mlx" else "fix-processed-tokens-counter")
+    path = str(WORKLOADS_DIR / f"{workload}.toml") if workload == "retraction" else workload
+    first = check(run_cached(path, loop, f"{base}+user_patches:retraction_not_counted")
+                  ).clauses[2].first()
+    assert (first["field"], first["step"], first["rid"], first["expected"],
+            first["actual"]) == ("retraction_count", step, rid, 1, 0)
 
 
 def test_a_prompt_sglang_truncates_is_served_as_fed(tmp_path):

@@ -713,3 +713,14 @@ def evict_without_shortfall():
     patch_source(BaseTokenToKVPoolAllocator, "evict_to_free_tokens", [
         ("shortfall = num_tokens - self.available_size()\n", "shortfall = num_tokens\n")],
         "evict-without-shortfall")
+
+
+def retraction_not_counted():
+    """``Req.reset_for_retract`` no longer counts the retraction: the request's
+    ``num_retractions`` reads 0, and the MLX worker's ``_drop_state_if_retracted`` (keyed
+    on the count) no longer sees it."""
+    from sglang.srt.managers.schedule_batch import Req
+    from contract_lib.patches import patch_source
+
+    patch_source(Req, "reset_for_retract", [("self.retraction_count += 1\n", "pass\n")],
+                 "retraction-not-counted")

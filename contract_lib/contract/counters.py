@@ -10,7 +10,8 @@ protected) is its committed length (at most its prompt and output), in whole pag
 not checked when the run disables the radix cache. Each request is served as fed: its
 prompt is the prompt fed, a finish by length emitted its ``max_new_tokens``, a finish on
 a stop token ends at the first token it matched, and it emits only tokens the forward
-produced for it, each once, none after it ended. The
+produced for it, each once, none after it ended; a retraction is counted; and the
+allocator has the radix tree evict at most what an allocation is short of. The
 extension: ``decode_batch_idx``
 equals ``kv_computed - kv_prefilled`` (every decode launch computes exactly one position
 of each of its requests).
@@ -77,6 +78,7 @@ def check_counters(frames: Frames) -> ClauseResult:
     parts += _emitted_as_produced(frames, order=len(_COUNTERS) + 2)
     parts += _ended_where_sglang_ended_it(frames, order=len(_COUNTERS) + 2)
     parts += _evicted_beyond_need(frames, order=len(_COUNTERS) + 3)
+    parts += _retractions_counted(frames, order=len(_COUNTERS) + 3)
     rows = pd.concat(parts).sort_values(["step", "order"], kind="stable").drop(
         columns="order") if parts else _NO_ROWS
     note = (f"{len(alive)} (step, request) counter sets checked, {len(released)} "
@@ -277,6 +279,30 @@ def _evicted_beyond_need(frames: Frames, order: int) -> list[pd.DataFrame]:
                         "nothing (silent cache loss)" for n, f, g, e, c in
                         zip(bad["need"], bad["available"], short[bad.index],
                             evicted[bad.index], bad["evictable_before"])],
+        "order": order})]
+
+
+def _retractions_counted(frames: Frames, order: int) -> list[pd.DataFrame]:
+    """A request that gives its ``req_to_token`` row back before it ended was retracted
+    (or preempted), and SGLang counts it (``retraction_count``, its ``num_retractions``):
+    between two steps the count rises by exactly the retractions seen."""
+    requests = frames.requests.sort_values(["rid", "step"], kind="stable")
+    same = requests["rid"].eq(requests["rid"].shift(1))
+    held_before = requests["req_pool_idx"].shift(1).notna() & same
+    retracted = (held_before & requests["req_pool_idx"].isna()
+                 & ~requests["finished"].astype(bool)).astype("int64")
+    counted = pd.to_numeric(requests["retractions"], errors="coerce")
+    rise = (counted - counted.shift(1)).where(same)
+    bad = requests[rise.notna() & (rise != retracted)]
+    if bad.empty:
+        return []
+    return [pd.DataFrame({
+        "field": "retraction_count", "step": bad["step"].astype("int64"), "rid": bad["rid"],
+        "expected": (counted.shift(1) + retracted)[bad.index].astype("int64").astype(object),
+        "actual": counted[bad.index].astype("int64").astype(object),
+        "explanation": ["the request gave its row back unfinished (retracted) and its "
+                        "retraction count did not rise" if r else "the retraction count "
+                        "rose with no retraction" for r in retracted[bad.index]],
         "order": order})]
 
 
