@@ -245,7 +245,10 @@ def _build(spec: dict[str, Any], loop_spec: loops.LoopSpec, emit,
     emit(("meta", {"shims": applied, "expect": workload.expected_outcomes(),
                    "enable_overlap": bool(scheduler.enable_overlap),
                    "enable_overlap_mlx": bool(scheduler.enable_overlap_mlx),
-                   "resolved_args": resolved_args(scheduler)}))
+                   "resolved_args": resolved_args(scheduler),
+                   # the fake model's scripted tokens, {rid: [[position, token], ...]}
+                   "script": {rid: sorted(tokens.items()) for rid, tokens
+                              in workload.scripted_tokens().items()}}))
     _record_loop_entry(scheduler, loop_spec, emit)
     recorder = Recorder(scheduler, loop_spec, workload, emit, capture=spec.get("capture", True),
                         audit=spec.get("audit", False))

@@ -12,8 +12,10 @@ code  outcome           when
                         leak, at least one clause exercised, no unexpected aborted request
 1     ``violated``      a clause is violated, SGLang's own KV pool conservation law
                         (``InvariantChecker``) did not balance at a step boundary (a
-                        leak), or, ``--runner real``, the MLX KV pool was damaged; wins
-                        over 3 and 4: the frames taken are evidence
+                        leak), or, ``--runner real``, the MLX KV pool was damaged; or,
+                        none of these, a request emitted tokens the fake model did not
+                        compute (a gap in the contract); wins over 3 and 4: the frames
+                        taken are evidence
 2     ``usage``         usage or set-up error: unknown names, a bad patch, a run that
                         failed before its loop, the loop SGLang would enter is not the
                         loop asked for
@@ -144,6 +146,13 @@ def verdict(report: Any, kv_damaged: bool = False) -> Verdict:
                      f"{first['step']}: {first['explanation']})")
     if kv_damaged:
         found.append("the MLX KV pool was damaged")
+    wrong = getattr(report, "wrong_outputs", None)
+    if not found and wrong is not None and len(wrong):
+        first = wrong.iloc[0]
+        found.append(f"no clause found a cause, but {len(wrong)} request(s) emitted tokens "
+                     f"the model did not compute (first: {first['rid']} token "
+                     f"{first['index']} at step {first['step']}: expected {first['expected']}"
+                     f", got {first['actual']}): a gap in the contract")
     if found:
         suffix = "" if status == "finished" else f" (and the run {status})"
         return Verdict(Outcome.VIOLATED, f"{'; '.join(found)}{suffix}")

@@ -172,6 +172,28 @@ def test_clause2_fails_on_a_retraction_count_with_no_retraction(good):
 
 
 @pytest.mark.fast
+def test_tokens_the_model_did_not_compute_fail_a_run_no_clause_faults(good):
+    """Request c's third token replaced in what the forward produced and what it emitted
+    (consistent with each other, so no clause sees it): not the model's continuation of
+    its prompt, so not a pass; the verdict says no clause found the cause."""
+    launches, outputs = good.launches, good.outputs
+    lanes = [(index, rids.split(",").index("c")) for index, rids in launches["rids"].items()
+             if "c" in rids.split(",")]
+    index, lane = lanes[2]
+    tokens = launches.loc[index, "tokens"].split(",")
+    row = (outputs.rid == "c") & (outputs["index"] == 2)
+    assert int(tokens[lane]) == int(outputs.loc[row, "token"].iloc[0])
+    tokens[lane] = "99"
+    launches.loc[index, "tokens"] = ",".join(tokens)
+    outputs.loc[row, "token"] = 99
+    report = check(good)
+    assert all(r.status in (HOLDS, NOT_EXERCISED) for r in report.clauses.values())
+    verdict = report.verdict()
+    assert verdict.outcome.value == 1 and "a gap in the contract" in verdict.reason
+    assert report.wrong_outputs.iloc[0][["rid", "index", "actual"]].tolist() == ["c", 2, 99]
+
+
+@pytest.mark.fast
 def test_request_ids_with_commas_read_as_lanes():
     """``launches.rids`` joins request ids with commas, and an id is free text: a run with
     a request "p,q" was a clause 2 false red (its lanes read as "p" and "q")."""
@@ -684,6 +706,20 @@ def test_a_retraction_not_counted_breaks_clause_2(run_cached, loop, workload, st
                   ).clauses[2].first()
     assert (first["field"], first["step"], first["rid"], first["expected"],
             first["actual"]) == ("retraction_count", step, rid, 1, 0)
+
+
+def test_an_mlx_chunk_fed_as_decode_fails_even_the_rfc_clause_set(run_cached):
+    """A one-token last chunk run as a decode lane on MLX (fed its stale prediction):
+    every token of b is wrong, and under ``--clauses rfc`` every clause held (the runner's
+    offsets advance either way; MLX records no fed input). The outputs are not the
+    model's continuation of the prompt: not a pass."""
+    frames = run_cached(str(WORKLOADS_DIR / "chunk-one.toml"), "mlx",
+                        "fix-chained-accounting+fix-idle-predicate+fix-processed-tokens-"
+                        "counter+fix-backend-state+user_patches:one_token_chunk_as_decode")
+    report = check(frames, clauses="rfc")
+    assert all(r.status != VIOLATED for r in report.clauses.values())
+    assert report.verdict().outcome.value == 1
+    assert report.wrong_outputs.iloc[0][["rid", "index"]].tolist() == ["b", 0]
 
 
 def test_a_prompt_sglang_truncates_is_served_as_fed(tmp_path):

@@ -724,3 +724,18 @@ def retraction_not_counted():
 
     patch_source(Req, "reset_for_retract", [("self.retraction_count += 1\n", "pass\n")],
                  "retraction-not-counted")
+
+
+def one_token_chunk_as_decode():
+    """The MLX worker routes extend lanes by ``seq_len`` again (what
+    ``_route_extend_request``'s docstring warns against): a last prefill chunk of one
+    token runs as a decode lane, and the runner is fed its own stale prediction from the
+    previous chunk instead of the prompt's last token (every later token is wrong)."""
+    from sglang.srt.hardware_backend.mlx.tp_worker import MlxTpModelWorker
+    from contract_lib.patches import patch_source
+
+    patch_source(MlxTpModelWorker, "_async_extend_batch", [
+        ("route = self._route_extend_request(req.rid, decoding_rids)\n",
+         "route = self._route_extend_request(req.rid, decoding_rids)\n"
+         "if route == \"continuation\" and seq_len == 1:\n"
+         "    route = \"decode\"\n")], "one-token-chunk-as-decode")

@@ -13,6 +13,7 @@ import pandas as pd
 from contract_lib.contract.base import (NOT_EXERCISED, VIOLATION_COLUMNS, ClauseResult,
                                         NotExercised, violations)
 from contract_lib.contract.idle import never_overlapped
+from contract_lib.contract.outputs import COLUMNS as OUTPUT_COLUMNS, wrong_outputs
 from contract_lib.contract.registry import (EXTENDED_FIELDS, REGISTRY, Check, clause_checks,
                                             origin, sglang_finding)
 from contract_lib.frames import Frames, run_title
@@ -60,6 +61,9 @@ class Report:
     clause_set: str = "all"
     # Why the run of an overlap loop is another loop's (nothing ever in flight), or None.
     not_overlapping: str | None = None
+    # Per request, its first token that is not the fake model's (:mod:`.outputs`).
+    wrong_outputs: pd.DataFrame = dataclasses.field(
+        default_factory=lambda: pd.DataFrame(columns=OUTPUT_COLUMNS))
 
     @property
     def ok(self) -> bool:
@@ -255,7 +259,8 @@ def check(frames: Frames, clauses: str = "all") -> Report:
                   clauses={number: evaluate(number, check_, frames)
                            for number, check_ in checks.items()},
                   pool=check_pool(frames), aborted=aborted_requests(frames),
-                  clause_set=clauses, not_overlapping=never_overlapped(frames))
+                  clause_set=clauses, not_overlapping=never_overlapped(frames),
+                  wrong_outputs=wrong_outputs(frames))
 
 
 def assert_contract(frames: Frames, clauses: str = "all") -> Report:

@@ -1,0 +1,46 @@
+"""The safety net under the clauses: each request's tokens are the fake model's
+continuation of its prompt (``next_token`` over the request's own history; the workload's
+scripted tokens where it has them), the same on every loop.
+
+Not a clause: a wrong token is a downstream symptom, and the clauses name causes. A run
+whose tokens differ although no clause and no pool law found anything fails on this
+(a gap in the contract: the verdict says so), so a wrong answer is never a pass.
+Model-free runs only; a request whose held prompt is not the prompt fed (SGLang
+truncated or replaced it) is not judged."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from contract_lib.frames import Frames
+from contract_lib.shims.model import next_token
+
+COLUMNS = ["rid", "index", "step", "expected", "actual"]
+
+
+def wrong_outputs(frames: Frames) -> pd.DataFrame:
+    """Per request, its first token that is not the model's (``index`` in its output,
+    the ``step`` that first showed it), in request order."""
+    prompts = frames.meta.get("prompts") or {}
+    if frames.meta.get("runner", "model-free") != "model-free" or frames.outputs.empty:
+        return pd.DataFrame(columns=COLUMNS)
+    script = {rid: dict(map(tuple, pairs))
+              for rid, pairs in (frames.meta.get("script") or {}).items()}
+    requests = frames.requests
+    held = requests.drop_duplicates("rid", keep="last").set_index("rid")["prompt_len"]
+    rows = []
+    for rid, tokens in frames.outputs.sort_values(["rid", "index"]).groupby("rid")["token"]:
+        prompt = prompts.get(rid)
+        if not prompt or held.get(rid) != len(prompt):
+            continue
+        scripted, last = script.get(rid, {}), prompt[-1]
+        for index, token in enumerate(tokens.tolist()):
+            expected = scripted.get(index, next_token(last, len(prompt) + index))
+            if token != expected:
+                shown = requests[(requests["rid"] == rid) & (requests["emitted"] > index)]
+                rows.append({"rid": rid, "index": index, "expected": int(expected),
+                             "actual": int(token), "step": int(
+                                 shown["step"].min() if len(shown) else requests["step"].max())})
+                break
+            last = token
+    return pd.DataFrame(rows, columns=COLUMNS)
