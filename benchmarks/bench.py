@@ -257,12 +257,19 @@ def synthetic_frames(base: Frames, copies: int) -> Frames:
                     part[column] = part[column] + i * ct_per
             if "rid" in part and name != "steps":
                 part["rid"] = part["rid"] + f"#{i}"
+            if "rids" in part:  # a launch's lanes name the same renumbered requests
+                part["rids"] = part["rids"].map(
+                    lambda rids, i=i: ",".join(f"{rid}#{i}" for rid in rids.split(",")))
             for column in ("launch_ts", "processed_launch_ts", "wall_time"):
                 if column in part:
                     part[column] = pd.to_numeric(part[column]) + i * 1000.0
             parts.append(part)
         tables[name] = pd.concat(parts, ignore_index=True)
-    return Frames(tables=tables, meta=dict(base.meta))
+    meta = dict(base.meta)
+    for key in ("prompts", "script"):  # per request: each copy's requests have theirs
+        meta[key] = {f"{rid}#{i}": value for i in range(copies)
+                     for rid, value in (base.meta.get(key) or {}).items()}
+    return Frames(tables=tables, meta=meta)
 
 
 def checker_throughput(repeat: int) -> list[dict]:

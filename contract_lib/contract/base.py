@@ -94,5 +94,17 @@ def live(requests: pd.DataFrame) -> pd.DataFrame:
     return requests[live_mask(requests)]
 
 
+def first_step_showing(requests: pd.DataFrame, index_by_rid: dict[str, int]
+                       ) -> dict[str, int]:
+    """Per request of ``index_by_rid``, the first step at which it had emitted more than
+    that many tokens (its token at that index shown); absent where no step shows it
+    (outputs are read after the last step). One pass over the table."""
+    if not index_by_rid:
+        return {}
+    index = requests["rid"].map(index_by_rid)
+    shown = requests[index.notna() & (requests["emitted"] > index)]
+    return {rid: int(step) for rid, step in shown.groupby("rid")["step"].min().items()}
+
+
 def ints(series: pd.Series) -> pd.Series:
     return series.astype("int64").astype(str)

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from contract_lib.contract.base import (HOLDS, VIOLATED, ClauseResult, live, live_mask,
-                                        no_rows, result, violations)
+from contract_lib.contract.base import (HOLDS, VIOLATED, ClauseResult, first_step_showing,
+                                        live, live_mask, no_rows, result, violations)
 from contract_lib.contract.registry import clause, extend
 from contract_lib.frames import Frames
 
@@ -149,6 +149,9 @@ def _produced(launches: pd.DataFrame, known: set[str]
     ``rids`` contains)."""
     produced: dict[str, list[int]] = {}
     unknown: set[str] = set()
+    by_first: dict[str, list[str]] = {}  # known ids by their first fragment
+    for rid in known:
+        by_first.setdefault(rid.split(",")[0], []).append(rid)
     ordered = launches.sort_values("launch")
     for rids, tokens in zip(ordered["rids"], ordered["tokens"]):
         if not isinstance(tokens, str):
@@ -156,7 +159,8 @@ def _produced(launches: pd.DataFrame, known: set[str]
         values = tokens.split(",")
         lanes = _lanes(rids, known, len(values))
         if lanes is None:
-            unknown.update(rid for rid in known if rid in rids)
+            unknown.update(rid for fragment in rids.split(",")
+                           for rid in by_first.get(fragment, ()))
             continue
         for rid, value in zip(lanes, values):
             if value:
@@ -177,32 +181,34 @@ def _emitted_as_produced(frames: Frames, order: int) -> list[pd.DataFrame]:
         return []
     requests = frames.requests
     produced, unknown = _produced(frames.launches, set(requests["rid"]))
-    rows = []
+    found = []  # (rid, index, expected, actual, produced, held)
     for rid, tokens in frames.outputs.sort_values(["rid", "index"]).groupby(
             "rid", sort=True)["token"]:
         if rid in unknown:
             continue
-        stream, at = produced.get(rid, []), 0
-        for index, token in enumerate(tokens.tolist()):
+        stream, at, emitted = produced.get(rid, []), 0, tokens.tolist()
+        for index, token in enumerate(emitted):
             start = at
             while at < len(stream) and stream[at] != token:
                 at += 1
             if at == len(stream):
-                held = requests[(requests["rid"] == rid) & (requests["emitted"] > index)]
-                rows.append({
-                    "field": "output_ids",
-                    "step": int(held["step"].min() if len(held) else requests["step"].max()),
-                    "rid": rid,
-                    "expected": stream[start] if start < len(stream) else "no further token",
-                    "actual": int(token),
-                    "explanation": f"output token {index} ({token}) is none the forward "
-                                   f"produced for the request after the tokens before it "
-                                   f"(it produced {len(stream)}, the request holds "
-                                   f"{len(tokens)}): a result applied twice, or to another "
-                                   "request", "order": order})
+                found.append((rid, index, stream[start] if start < len(stream)
+                               else "no further token", int(token), len(stream),
+                               len(emitted)))
                 break
             at += 1
-    return [pd.DataFrame(rows)] if rows else []
+    if not found:
+        return []
+    steps = first_step_showing(requests, {rid: index for rid, index, *_ in found})
+    last = int(requests["step"].max())
+    return [pd.DataFrame([{
+        "field": "output_ids", "step": steps.get(rid, last), "rid": rid,
+        "expected": expected, "actual": actual,
+        "explanation": f"output token {index} ({actual}) is none the forward produced for "
+                       f"the request after the tokens before it (it produced {made}, the "
+                       f"request holds {held}): a result applied twice, or to another "
+                       "request", "order": order}
+        for rid, index, expected, actual, made, held in found])]
 
 
 def _ended_where_sglang_ended_it(frames: Frames, order: int) -> list[pd.DataFrame]:
@@ -211,43 +217,45 @@ def _ended_where_sglang_ended_it(frames: Frames, order: int) -> list[pd.DataFram
     occurrence of the token it matched (``finish_matched``; a stop string's is not
     read). First step each, per request."""
     requests = frames.requests.sort_values(["rid", "step"], kind="stable")
-    outputs = frames.outputs.sort_values(["rid", "index"]).groupby("rid")["token"]
-    tokens = {rid: values.tolist() for rid, values in outputs}
-    rows = []
-    for rid, held in requests.groupby("rid", sort=True):
-        ended = held[held["finished"].astype(bool)]
-        if ended.empty:
-            continue
-        end = ended.iloc[0]
-        later = held[(held["step"] > end["step"]) & (held["emitted"] > end["emitted"])]
-        if len(later):
-            rows.append({
-                "field": "output_ids", "step": int(later["step"].iloc[0]), "rid": rid,
-                "expected": int(end["emitted"]), "actual": int(later["emitted"].iloc[0]),
-                "explanation": f"tokens emitted after the request ended at step "
-                               f"{int(end['step'])} ({end['finish_reason'] or 'abort'}): "
-                               "it was computed for a client told it was done",
-                "order": order})
-            continue
-        last = held.iloc[-1]
-        matched = last.get("finish_matched")
-        if last["finish_reason"] != "stop" or pd.isna(matched):
-            continue
-        emitted = tokens.get(rid, [])
-        stop = emitted.index(int(matched)) + 1 if int(matched) in emitted else None
-        if stop != len(emitted):
-            # The step the token past the stop shows (outputs are read after the last
-            # step: a crashed run's may show none), else the step it ended.
-            past = held[held["emitted"] > stop] if stop else ended
-            rows.append({
-                "field": "output_ids", "step": int((past if len(past) else ended)["step"].iloc[0]),
-                "rid": rid,
-                "expected": stop if stop else f"a last token {int(matched)}",
-                "actual": len(emitted),
-                "explanation": f"finished on stop token {int(matched)}, but "
-                               + (f"it is token {stop} of the {len(emitted)} emitted: the "
-                                  "request went on past its stop" if stop else
-                                  "it emitted no such token"), "order": order})
+    ended = requests[requests["finished"].astype(bool)].drop_duplicates("rid")
+    if ended.empty:
+        return []
+    end_step = requests["rid"].map(ended.set_index("rid")["step"])
+    end_emitted = requests["rid"].map(ended.set_index("rid")["emitted"])
+    after = requests[(requests["step"] > end_step) & (requests["emitted"] > end_emitted)
+                     ].drop_duplicates("rid")
+    rows = [{"field": "output_ids", "step": int(row.step), "rid": row.rid,
+             "expected": int(end_emitted[index]), "actual": int(row.emitted),
+             "explanation": f"tokens emitted after the request ended at step "
+                            f"{int(end_step[index])} "
+                            f"({ended.set_index('rid').at[row.rid, 'finish_reason'] or 'abort'})"
+                            ": it was computed for a client told it was done", "order": order}
+            for index, row in zip(after.index, after.itertuples(index=False))]
+    last = requests.drop_duplicates("rid", keep="last")
+    stops = last[(last["finish_reason"] == "stop") & last["finish_matched"].notna()
+                 & ~last["rid"].isin(after["rid"])]
+    if len(stops):
+        outputs = frames.outputs[frames.outputs["rid"].isin(stops["rid"])]
+        tokens = {rid: values.tolist() for rid, values in
+                  outputs.sort_values(["rid", "index"]).groupby("rid")["token"]}
+        wrong = []  # (rid, matched, stop position or None, emitted)
+        for rid, matched in zip(stops["rid"], stops["finish_matched"].astype("int64")):
+            emitted = tokens.get(rid, [])
+            stop = emitted.index(matched) + 1 if matched in emitted else None
+            if stop != len(emitted):
+                wrong.append((rid, int(matched), stop, len(emitted)))
+        # The step the token past the stop shows (outputs are read after the last step:
+        # a crashed run's may show none), else the step it ended.
+        past = first_step_showing(requests, {rid: stop for rid, _, stop, _ in wrong if stop})
+        end_of = ended.set_index("rid")["step"]
+        rows += [{
+            "field": "output_ids", "step": past.get(rid, int(end_of.get(rid, 0))),
+            "rid": rid, "expected": stop if stop else f"a last token {matched}",
+            "actual": count,
+            "explanation": f"finished on stop token {matched}, but " + (
+                f"it is token {stop} of the {count} emitted: the request went on past its "
+                "stop" if stop else "it emitted no such token"), "order": order}
+            for rid, matched, stop, count in wrong]
     return [pd.DataFrame(rows)] if rows else []
 
 

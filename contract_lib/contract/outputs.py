@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from contract_lib.contract.base import first_step_showing
 from contract_lib.frames import Frames
 from contract_lib.shims.model import next_token
 
@@ -37,10 +38,12 @@ def wrong_outputs(frames: Frames) -> pd.DataFrame:
         for index, token in enumerate(tokens.tolist()):
             expected = scripted.get(index, next_token(last, len(prompt) + index))
             if token != expected:
-                shown = requests[(requests["rid"] == rid) & (requests["emitted"] > index)]
                 rows.append({"rid": rid, "index": index, "expected": int(expected),
-                             "actual": int(token), "step": int(
-                                 shown["step"].min() if len(shown) else requests["step"].max())})
+                             "actual": int(token)})
                 break
             last = token
+    steps = first_step_showing(requests, {row["rid"]: row["index"] for row in rows})
+    last_step = int(requests["step"].max()) if len(requests) else 0
+    for row in rows:
+        row["step"] = steps.get(row["rid"], last_step)
     return pd.DataFrame(rows, columns=COLUMNS)
