@@ -217,20 +217,21 @@ def _ended_where_sglang_ended_it(frames: Frames, order: int) -> list[pd.DataFram
     occurrence of the token it matched (``finish_matched``; a stop string's is not
     read). First step each, per request."""
     requests = frames.requests.sort_values(["rid", "step"], kind="stable")
-    ended = requests[requests["finished"].astype(bool)].drop_duplicates("rid")
+    ended = requests[requests["finished"].astype(bool)].drop_duplicates("rid").set_index(
+        "rid")  # each request's first ended row
     if ended.empty:
         return []
-    end_step = requests["rid"].map(ended.set_index("rid")["step"])
-    end_emitted = requests["rid"].map(ended.set_index("rid")["emitted"])
+    end_step = requests["rid"].map(ended["step"])
+    end_emitted = requests["rid"].map(ended["emitted"])
     after = requests[(requests["step"] > end_step) & (requests["emitted"] > end_emitted)
                      ].drop_duplicates("rid")
     rows = [{"field": "output_ids", "step": int(row.step), "rid": row.rid,
-             "expected": int(end_emitted[index]), "actual": int(row.emitted),
+             "expected": int(ended.at[row.rid, "emitted"]), "actual": int(row.emitted),
              "explanation": f"tokens emitted after the request ended at step "
-                            f"{int(end_step[index])} "
-                            f"({ended.set_index('rid').at[row.rid, 'finish_reason'] or 'abort'})"
-                            ": it was computed for a client told it was done", "order": order}
-            for index, row in zip(after.index, after.itertuples(index=False))]
+                            f"{int(ended.at[row.rid, 'step'])} "
+                            f"({ended.at[row.rid, 'finish_reason'] or 'abort'}): it was "
+                            "computed for a client told it was done", "order": order}
+            for row in after.itertuples(index=False)]
     last = requests.drop_duplicates("rid", keep="last")
     stops = last[(last["finish_reason"] == "stop") & last["finish_matched"].notna()
                  & ~last["rid"].isin(after["rid"])]
@@ -247,9 +248,8 @@ def _ended_where_sglang_ended_it(frames: Frames, order: int) -> list[pd.DataFram
         # The step the token past the stop shows (outputs are read after the last step:
         # a crashed run's may show none), else the step it ended.
         past = first_step_showing(requests, {rid: stop for rid, _, stop, _ in wrong if stop})
-        end_of = ended.set_index("rid")["step"]
         rows += [{
-            "field": "output_ids", "step": past.get(rid, int(end_of.get(rid, 0))),
+            "field": "output_ids", "step": past.get(rid, int(ended["step"].get(rid, 0))),
             "rid": rid, "expected": stop if stop else f"a last token {matched}",
             "actual": count,
             "explanation": f"finished on stop token {matched}, but " + (
