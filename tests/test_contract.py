@@ -191,6 +191,7 @@ def test_tokens_the_model_did_not_compute_fail_a_run_no_clause_faults(good):
     verdict = report.verdict()
     assert verdict.outcome.value == 1 and "a gap in the contract" in verdict.reason
     assert report.wrong_outputs.iloc[0][["rid", "index", "actual"]].tolist() == ["c", 2, 99]
+    assert "a gap in the contract" in report.text()  # the table is all green: say why
 
 
 @pytest.mark.fast
