@@ -213,7 +213,7 @@ class Frames:
     def output_tokens(self) -> dict[str, list[int]]:
         """Emitted token ids per request id."""
         out = self.tables["outputs"].sort_values(["rid", "index"])
-        return {rid: group["token"].tolist() for rid, group in out.groupby("rid", sort=True)}
+        return {rid: tokens.tolist() for rid, tokens in out.groupby("rid", sort=True)["token"]}
 
     def comparable(self) -> dict[str, pd.DataFrame]:
         """The tables without wall-clock columns: equal for two runs of the same input."""

@@ -182,11 +182,10 @@ def _emitted_as_produced(frames: Frames, order: int) -> list[pd.DataFrame]:
     requests = frames.requests
     produced, unknown = _produced(frames.launches, set(requests["rid"]))
     found = []  # (rid, index, expected, actual, produced, held)
-    for rid, tokens in frames.outputs.sort_values(["rid", "index"]).groupby(
-            "rid", sort=True)["token"]:
+    for rid, emitted in frames.output_tokens().items():
         if rid in unknown:
             continue
-        stream, at, emitted = produced.get(rid, []), 0, tokens.tolist()
+        stream, at = produced.get(rid, []), 0
         for index, token in enumerate(emitted):
             start = at
             while at < len(stream) and stream[at] != token:
@@ -236,9 +235,7 @@ def _ended_where_sglang_ended_it(frames: Frames, order: int) -> list[pd.DataFram
     stops = last[(last["finish_reason"] == "stop") & last["finish_matched"].notna()
                  & ~last["rid"].isin(after["rid"])]
     if len(stops):
-        outputs = frames.outputs[frames.outputs["rid"].isin(stops["rid"])]
-        tokens = {rid: values.tolist() for rid, values in
-                  outputs.sort_values(["rid", "index"]).groupby("rid")["token"]}
+        tokens = frames.output_tokens()
         wrong = []  # (rid, matched, stop position or None, emitted)
         for rid, matched in zip(stops["rid"], stops["finish_matched"].astype("int64")):
             emitted = tokens.get(rid, [])

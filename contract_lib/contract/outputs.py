@@ -30,12 +30,12 @@ def wrong_outputs(frames: Frames) -> pd.DataFrame:
     requests = frames.requests
     held = requests.drop_duplicates("rid", keep="last").set_index("rid")["prompt_len"]
     rows = []
-    for rid, tokens in frames.outputs.sort_values(["rid", "index"]).groupby("rid")["token"]:
+    for rid, tokens in frames.output_tokens().items():
         prompt = prompts.get(rid)
         if not prompt or held.get(rid) != len(prompt):
             continue
         scripted, last = script.get(rid, {}), prompt[-1]
-        for index, token in enumerate(tokens.tolist()):
+        for index, token in enumerate(tokens):
             expected = scripted.get(index, next_token(last, len(prompt) + index))
             if token != expected:
                 rows.append({"rid": rid, "index": index, "expected": int(expected),
