@@ -404,6 +404,42 @@ def test_a_radix_insert_cut_short_at_release_breaks_clause_2(run_cached, loop):
         "cache_protected_len", "b", 21, 19)
 
 
+@pytest.mark.parametrize("loop, workload, expected", [
+    ("normal", "two-turn", 27), ("overlap", "page-size-4", 28), ("mlx", "two-turn", 27)])
+def test_radix_keys_off_by_one_break_clause_2(run_cached, loop, workload, expected):
+    """A radix insert keyed by the prompt and the outputs from the second one on: the
+    slots and the protected length right, the pool balanced, and a later turn matched
+    only the prompt (a2 prefilled 11 tokens again). It passed on the torch loops: a
+    request admitted after one was released reuses the prefix the tree kept of it."""
+    base = ("fix-chained-accounting+fix-idle-predicate+fix-processed-tokens-counter"
+            if loop == "mlx" else "fix-processed-tokens-counter")
+    frames = run_cached(workload, loop, f"{base}+user_patches:radix_keys_skip_first_output")
+    found = check(frames).clauses[2].violations
+    reuse = found[found["field"] == "cached_tokens"]
+    assert (reuse["rid"].tolist(), reuse["expected"].tolist(), reuse["actual"].tolist()) == (
+        ["a2"], [expected], [16])
+    assert "nothing evicted since" in reuse["explanation"].iloc[0]
+
+
+def test_a_reuse_after_an_eviction_is_not_expected(run_cached, monkeypatch):
+    """The reuse check expects nothing once the tree may have lost tokens: f's prompt is
+    a prefix of c's, and c's cached prefix was evicted before f came (f reused none of
+    it). Without the eviction guard the check would call that cache loss."""
+    from contract_lib.contract import counters
+
+    frames = run_cached(str(WORKLOADS_DIR / "radix-eviction.toml"), "normal",
+                        "fix-processed-tokens-counter")
+    assert len(frames.evictions) > 0
+
+    def reuse_findings():
+        found = check(frames).clauses[2].violations
+        return found.loc[found["field"] == "cached_tokens", "rid"].tolist()
+
+    assert reuse_findings() == []
+    monkeypatch.setattr(counters, "_disturbed_iterations", lambda frames: [])
+    assert reuse_findings() == ["f"]
+
+
 @pytest.mark.parametrize("loop", ["normal", "overlap"])
 def test_slots_permuted_inside_the_protected_prefix_break_clause_1(run_cached, loop):
     """A slot's KV must be of the position it is recorded at, inside the radix-protected

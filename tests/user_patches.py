@@ -429,6 +429,22 @@ def truncated_finish_insert():
         cls.checkpoint = checkpoint
 
 
+def radix_keys_skip_first_output():
+    """The radix insert keys a request's KV by its prompt and its output ids from the
+    second one on (an off-by-one slice): the slots and the protected length are right
+    (the pool balances), the keys past the prompt are each the next position's token,
+    so a later turn matches only the prompt and prefills the rest again."""
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+    from contract_lib.patches import patch_source
+
+    for cls, name in ((RadixCache, "checkpoint"), (UnifiedRadixCache, "checkpoint_into_tree")):
+        patch_source(cls, name, [
+            ("token_ids = req.full_untruncated_fill_ids[:up_to]\n",
+             "token_ids = (req.origin_input_ids + req.output_ids[1:])[:up_to]\n")],
+            "radix-keys-skip-first-output")
+
+
 def _python_tree_core() -> None:
     """Select SGLang's Python TreeCore for the radix tree (what every non-Linux host, e.g.
     Apple Silicon under MLX, runs; Linux defaults to the Rust one)."""

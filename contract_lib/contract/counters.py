@@ -7,7 +7,9 @@ computed. The torch overlap loop's counters include its one in-flight step, and 
 length or a stop) is released, the radix tree keeps what it committed: at the first
 boundary where it holds no row, its ``cache_protected_len`` (what the tree's insert
 protected) is its committed length (at most its prompt and output), in whole pages;
-not checked when the run disables the radix cache. Each request is served as fed: its
+not checked when the run disables the radix cache; a request admitted after that
+release reuses what the tree kept (``cached_tokens``) unless something may have left the
+tree in between. Each request is served as fed: its
 prompt is the prompt fed, a finish by length emitted its ``max_new_tokens``, a finish on
 a stop token ends at the first token it matched, and it emits only tokens the forward
 produced for it, each once, none after it ended; a retraction is counted; and the
@@ -74,6 +76,8 @@ def check_counters(frames: Frames) -> ClauseResult:
                            "committed when it was released: a later request with this "
                            "prefix prefills the rest again (silent cache loss)",
             "order": len(_COUNTERS)}))
+    parts += _reused_what_the_tree_kept(frames, released, kept.clip(upper=owned),
+                                        order=len(_COUNTERS))
     parts += _served(frames, order=len(_COUNTERS) + 1)
     parts += _emitted_as_produced(frames, order=len(_COUNTERS) + 2)
     parts += _ended_where_sglang_ended_it(frames, order=len(_COUNTERS) + 2)
@@ -309,6 +313,92 @@ def _retractions_counted(frames: Frames, order: int) -> list[pd.DataFrame]:
                         "retraction count did not rise" if r else "the retraction count "
                         "rose with no retraction" for r in retracted[bad.index]],
         "order": order})]
+
+
+def _disturbed_iterations(frames: Frames) -> list[int]:
+    """The loop iterations (numbered as the boundary before them) in which the radix
+    tree may have lost cached tokens: an allocation had it evict, a request was
+    retracted (a release path that evicts), or the tree held fewer tokens
+    (``kv_evictable + kv_protected``) at the next boundary. Sorted."""
+    steps = frames.steps.sort_values("step")
+    size = (steps["kv_evictable"] + steps["kv_protected"]).to_numpy()
+    numbers = steps["step"].to_numpy()
+    disturbed = set(numbers[:-1][size[1:] < size[:-1]].tolist())
+    evictions = frames.tables.get("evictions")
+    if evictions is not None and len(evictions):
+        gone = evictions["evictable_after"] < evictions["evictable_before"]
+        disturbed.update(evictions.loc[gone, "step"].astype("int64").tolist())
+    requests = frames.requests.sort_values(["rid", "step"], kind="stable")
+    same = requests["rid"].eq(requests["rid"].shift(1))
+    gave_back = (same & requests["req_pool_idx"].shift(1).notna()
+                 & requests["req_pool_idx"].isna() & ~requests["finished"].astype(bool))
+    disturbed.update((requests.loc[gave_back, "step"].astype("int64") - 1).tolist())
+    return sorted(disturbed)
+
+
+def _reused_what_the_tree_kept(frames: Frames, released: pd.DataFrame, kept: pd.Series,
+                               order: int) -> list[pd.DataFrame]:
+    """A request admitted after a finished request was released reuses what the radix
+    tree kept of it: at least the longest prefix its prompt shares with that request's
+    prompt and output as kept (``cache_protected_len``), at most one token short of
+    its own prompt, in whole pages (SGLang's match bound), whenever nothing could have
+    left the tree in between (:func:`_disturbed_iterations`). Read off SGLang's
+    ``cached_tokens`` (the most any step shows). A tree that kept the right number of
+    positions under the wrong keys, or lost them, fails here (silent cache loss)."""
+    prompts = frames.meta.get("prompts") or {}
+    requests = frames.requests
+    if released.empty or not prompts or "cached_tokens" not in requests:
+        return []
+    page = int(_run_arg(frames, "page_size") or 1)
+    outputs = frames.output_tokens()
+    disturbed = _disturbed_iterations(frames)
+    holding = requests[requests["req_pool_idx"].notna()]
+    admitted = (holding.groupby("rid")["step"].min() - 1).sort_values(kind="stable")
+    reused = pd.to_numeric(requests["cached_tokens"], errors="coerce").groupby(
+        requests["rid"]).max()
+    prompt_len = requests.groupby("rid")["prompt_len"].first()
+    # What the tree kept of each released request, in release order: (step, rid, tokens).
+    kept_tokens = sorted(
+        (int(step), rid, (list(prompts[rid]) + outputs.get(rid, []))[:int(length)])
+        for step, rid, length in zip(released["step"], released["rid"], kept[released.index])
+        if rid in prompts and length >= page)
+    # The hash of each kept page-aligned prefix -> (its latest release step, its rid).
+    prefixes: dict[int, tuple[int, str]] = {}
+    tokens_of: dict[str, list[int]] = {}
+    rows, next_release, cut = [], 0, 0
+    for rid, at in admitted.items():
+        while next_release < len(kept_tokens) and kept_tokens[next_release][0] <= at:
+            step, other, tokens = kept_tokens[next_release]
+            tokens_of[other], digest = tokens, 0
+            for length, token in enumerate(tokens, 1):
+                digest = hash((digest, token))
+                if length % page == 0:
+                    prefixes[digest] = (step, other)
+            next_release += 1
+        prompt = prompts.get(rid)
+        if (prompt is None or rid not in reused.index or reused[rid] != reused[rid]
+                or prompt_len.get(rid) != len(prompt)):
+            continue
+        while cut < len(disturbed) and disturbed[cut] <= at:
+            cut += 1
+        earliest = disturbed[cut - 1] + 2 if cut else -1  # a release after the last loss
+        bound, digest, best = (len(prompt) - 1) // page * page, 0, None
+        for length, token in enumerate(prompt[:bound], 1):
+            digest = hash((digest, token))
+            found = prefixes.get(digest) if length % page == 0 else None
+            if (found is not None and found[0] >= earliest
+                    and tokens_of[found[1]][:length] == prompt[:length]):
+                best = (length, found)
+        if best is not None and reused[rid] < best[0]:
+            (length, (step, other)) = best
+            rows.append({"field": "cached_tokens", "step": int(at) + 1, "rid": rid,
+                         "expected": length, "actual": int(reused[rid]),
+                         "explanation": f"reused {int(reused[rid])} cached tokens where the "
+                         f"radix tree held a {length}-token prefix of its prompt from "
+                         f"{other!r} (released at step {step}, nothing evicted since): the "
+                         "tree lost or mis-keyed what that request committed (silent "
+                         "cache loss)", "order": order})
+    return [pd.DataFrame(rows)] if rows else []
 
 
 def _run_arg(frames: Frames, name: str):
