@@ -745,6 +745,22 @@ def test_a_retraction_not_counted_breaks_clause_2(run_cached, loop, workload, st
             first["actual"]) == ("retraction_count", step, rid, 1, 0)
 
 
+def test_an_mlx_prefill_fed_another_lanes_ids_is_not_a_pass(run_cached):
+    """The MLX worker feeding every request of an extend batch the first request's ids
+    (its slots, lengths and counters right): the model-free runner computed each
+    prefill's token from the request's own ids, not the ids it was fed, and the run
+    passed. It now runs on what it is fed, as the real runner does, so b's output is
+    not the model's continuation of its prompt."""
+    frames = run_cached("two-turn", "mlx",
+                        "fix-chained-accounting+fix-idle-predicate+fix-processed-tokens-"
+                        "counter+fix-backend-state+user_patches:mlx_prefill_ids_from_the_"
+                        "first_lane")
+    report = check(frames)
+    assert not report.ok
+    assert report.wrong_outputs["rid"].unique().tolist() == ["b"]
+    assert report.wrong_outputs.iloc[0][["index", "step"]].tolist() == [0, 2]
+
+
 def test_an_mlx_chunk_fed_as_decode_fails_even_the_rfc_clause_set(run_cached):
     """A one-token last chunk run as a decode lane on MLX (fed its stale prediction):
     every token of b is wrong, and under ``--clauses rfc`` every clause held (the runner's

@@ -445,6 +445,19 @@ def radix_keys_skip_first_output():
             "radix-keys-skip-first-output")
 
 
+def mlx_prefill_ids_from_the_first_lane():
+    """The MLX worker slices each request's prefill ids out of the batch's ``input_ids``
+    without advancing past the lanes before it: every request of a multi-request extend
+    batch is fed the first request's prompt (its slots, lengths and counters right)."""
+    from sglang.srt.hardware_backend.mlx.tp_worker import MlxTpModelWorker
+    from contract_lib.patches import patch_source
+
+    patch_source(MlxTpModelWorker, "_async_extend_batch", [
+        ("req_token_ids = input_ids_cpu[offset : offset + seq_len]\n",
+         "req_token_ids = input_ids_cpu[0:seq_len]\n")],
+        "mlx-prefill-ids-from-the-first-lane")
+
+
 def _python_tree_core() -> None:
     """Select SGLang's Python TreeCore for the radix tree (what every non-Linux host, e.g.
     Apple Silicon under MLX, runs; Linux defaults to the Rust one)."""

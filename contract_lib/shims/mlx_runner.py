@@ -108,10 +108,16 @@ class ModelFreeMlxRunner:
         # The scheduler's request: where its output starts (a retracted request's
         # re-prefill carries its earlier output in ``full``).
         prompt_len = len(req.origin_input_ids) if req is not None else len(full)
-        token = self._lazy_next(mx.array([full[-1]], dtype=mx.int32), [len(full)],
+        # As the real runner: the model runs on the ids it is fed after the prefix it
+        # gathers from the pool (none with the radix cache off), not on ``full``, so a
+        # worker that feeds the wrong ids or prefix computes the wrong token here too.
+        fed = list(new_token_ids) or full[-1:]
+        computed = (len(fed) + (0 if self.disable_radix_cache else len(prefix_slot_ids))
+                    if new_token_ids else len(full))
+        token = self._lazy_next(mx.array([fed[-1]], dtype=mx.int32), [computed],
                                 [req_id], [prompt_len])[0]
         return MlxPendingPrefill(
-            lazy_token=token, cache=[_ModelFreeCache(len(full), prompt_len)], req_id=req_id,
+            lazy_token=token, cache=[_ModelFreeCache(computed, prompt_len)], req_id=req_id,
             full_token_ids=full, req_pool_idx=req_pool_idx,
             synced_offset=len(prefix_slot_ids) + len(new_slot_ids))
 
