@@ -421,6 +421,26 @@ def test_radix_keys_off_by_one_break_clause_2(run_cached, loop, workload, expect
     assert "nothing evicted since" in reuse["explanation"].iloc[0]
 
 
+@pytest.mark.parametrize("loop", ["normal", "overlap", "mlx"])
+@pytest.mark.parametrize("workload, patch, step, expected, actual", [
+    ("retraction-shared", "retraction_recounts_the_cache_hit", None, "<= 15", None),
+    ("chunk-one", "chunks_counted_as_cache_hits", 5, 0, 16)])
+def test_a_cache_hit_counted_twice_breaks_clause_2(run_cached, loop, workload, patch,
+                                                   step, expected, actual):
+    """SGLang #11900 (a re-prefill after a retraction counts its radix hit again) and
+    #2555 (later chunks count the request's own earlier chunks as hits), reintroduced:
+    users' cached_tokens exceed the prompt or grow after the first prefill; every run
+    passed. A hit is counted once, at most one token short of the prompt."""
+    base = ("fix-chained-accounting+fix-idle-predicate+fix-processed-tokens-counter"
+            if loop == "mlx" else "fix-processed-tokens-counter")
+    frames = run_cached(str(WORKLOADS_DIR / f"{workload}.toml"), loop,
+                        f"{base}+user_patches:{patch}")
+    first = check(frames).clauses[2].first()
+    assert (first["field"], first["rid"], first["expected"]) == ("cached_tokens", "b", expected)
+    if step is not None:
+        assert (first["step"], first["actual"]) == (step, actual)
+
+
 def test_a_reuse_after_an_eviction_is_not_expected(run_cached, monkeypatch):
     """The reuse check expects nothing once the tree may have lost tokens: f's prompt is
     a prefix of c's, and c's cached prefix was evicted before f came (f reused none of

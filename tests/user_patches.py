@@ -458,6 +458,30 @@ def mlx_prefill_ids_from_the_first_lane():
         "mlx-prefill-ids-from-the-first-lane")
 
 
+def retraction_recounts_the_cache_hit():
+    """SGLang #11900 reintroduced: a retracted request's re-prefill adds its radix hit
+    to ``cached_tokens`` again (users saw more cached tokens than the prompt had)."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from contract_lib.patches import patch_source
+
+    patch_source(ScheduleBatch, "prepare_for_extend", [
+        ("            if not req.retracted_stain:\n",
+         "            if True:  # #11900 reintroduced\n")],
+        "retraction-recounts-the-cache-hit")
+
+
+def chunks_counted_as_cache_hits():
+    """SGLang #2555 reintroduced: each later prefill chunk counts the request's own
+    earlier chunks as cached tokens (the cache hit rate of chunked prompts inflated)."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from contract_lib.patches import patch_source
+
+    patch_source(ScheduleBatch, "prepare_for_extend", [
+        ("                new_cached = pre_len - req.already_computed\n",
+         "                new_cached = pre_len\n")],
+        "chunks-counted-as-cache-hits")
+
+
 def _python_tree_core() -> None:
     """Select SGLang's Python TreeCore for the radix tree (what every non-Linux host, e.g.
     Apple Silicon under MLX, runs; Linux defaults to the Rust one)."""

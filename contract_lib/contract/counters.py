@@ -9,7 +9,8 @@ boundary where it holds no row, its ``cache_protected_len`` (what the tree's ins
 protected) is its committed length (at most its prompt and output), in whole pages;
 not checked when the run disables the radix cache; a request admitted after that
 release reuses what the tree kept (``cached_tokens``) unless something may have left the
-tree in between. Each request is served as fed: its
+tree in between, and counts the hit once (at most one token short of its prompt,
+unchanged after its first prefill). Each request is served as fed: its
 prompt is the prompt fed, a finish by length emitted its ``max_new_tokens``, a finish on
 a stop token ends at the first token it matched, and it emits only tokens the forward
 produced for it, each once, none after it ended; a retraction is counted; and the
@@ -78,6 +79,7 @@ def check_counters(frames: Frames) -> ClauseResult:
             "order": len(_COUNTERS)}))
     parts += _reused_what_the_tree_kept(frames, released, kept.clip(upper=owned),
                                         order=len(_COUNTERS))
+    parts += _cache_hits_counted_once(frames, order=len(_COUNTERS))
     parts += _served(frames, order=len(_COUNTERS) + 1)
     parts += _emitted_as_produced(frames, order=len(_COUNTERS) + 2)
     parts += _ended_where_sglang_ended_it(frames, order=len(_COUNTERS) + 2)
@@ -399,6 +401,42 @@ def _reused_what_the_tree_kept(frames: Frames, released: pd.DataFrame, kept: pd.
                          "tree lost or mis-keyed what that request committed (silent "
                          "cache loss)", "order": order})
     return [pd.DataFrame(rows)] if rows else []
+
+
+def _cache_hits_counted_once(frames: Frames, order: int) -> list[pd.DataFrame]:
+    """SGLang counts a request's cache hit (``cached_tokens``) once, at its first prefill:
+    at most one token short of its prompt (its match bound), and unchanged from the
+    first step that shows the prefill on (a later chunk reuses the request's own
+    earlier chunks, a re-prefill after a retraction what it had computed: neither is a
+    cache hit). First step each."""
+    requests = frames.requests
+    if "cached_tokens" not in requests:
+        return []
+    cached = pd.to_numeric(requests["cached_tokens"], errors="coerce")
+    bound = (requests["prompt_len"] - 1).clip(lower=0)
+    prefilled = requests[requests["kv_computed"].notna()]
+    first = prefilled.sort_values("step", kind="stable").drop_duplicates("rid")
+    at_first = requests["rid"].map(dict(zip(first["rid"], cached[first.index])))
+    since = requests["rid"].map(dict(zip(first["rid"], first["step"])))
+    over = cached.notna() & (cached > bound)
+    changed = cached.notna() & at_first.notna() & (requests["step"] > since) & (
+        cached != at_first)
+    bad = requests[over | changed].sort_values("step", kind="stable").drop_duplicates("rid")
+    if bad.empty:
+        return []
+    return [pd.DataFrame({
+        "field": "cached_tokens", "step": bad["step"].astype("int64"), "rid": bad["rid"],
+        "expected": [f"<= {int(b)}" if o else int(f) for o, b, f in
+                     zip(over[bad.index], bound[bad.index], at_first[bad.index].fillna(0))],
+        "actual": cached[bad.index].astype("int64").astype(object),
+        "explanation": [f"{int(c)} cached tokens for a {int(n)}-token prompt: a cache hit "
+                        "is at most one token short of the prompt" if o else
+                        f"the cache hit counted at the first prefill ({int(f)}) grew to "
+                        f"{int(c)}: a later chunk or a re-prefill after a retraction was "
+                        "counted as a cache hit (users' cached_tokens, the hit rate)"
+                        for o, c, n, f in zip(over[bad.index], cached[bad.index],
+                                               bad["prompt_len"], at_first[bad.index].fillna(0))],
+        "order": order})]
 
 
 def _run_arg(frames: Frames, name: str):
