@@ -441,6 +441,21 @@ def test_a_cache_hit_counted_twice_breaks_clause_2(run_cached, loop, workload, p
         assert (first["step"], first["actual"]) == (step, actual)
 
 
+@pytest.mark.parametrize("loop, expected", [
+    ("normal", 27), ("overlap", 27), ("mlx", 28), ("omni", 28)])
+def test_a_cache_hit_counted_one_high_breaks_clause_2(run_cached, loop, expected):
+    """A radix hit counted one token high: within the prompt, counted once, above what
+    the tree allowed, and it passed. The hit is the prefix the first prefill did not
+    compute: read off its forward slots (torch, omni), or off a launch that prefilled
+    the request alone (MLX)."""
+    base = ("fix-chained-accounting+fix-idle-predicate+fix-processed-tokens-counter"
+            if loop == "mlx" else "fix-processed-tokens-counter")
+    frames = run_cached("two-turn", loop, f"{base}+user_patches:cache_hit_counted_one_high")
+    first = check(frames).clauses[2].first()
+    assert (first["field"], first["step"], first["rid"], first["expected"],
+            first["actual"]) == ("cached_tokens", 17, "a2", expected, expected + 1)
+
+
 def test_a_reuse_after_an_eviction_is_not_expected(run_cached, monkeypatch):
     """The reuse check expects nothing once the tree may have lost tokens: f's prompt is
     a prefix of c's, and c's cached prefix was evicted before f came (f reused none of

@@ -482,6 +482,18 @@ def chunks_counted_as_cache_hits():
         "chunks-counted-as-cache-hits")
 
 
+def cache_hit_counted_one_high():
+    """A radix hit counted one token high (``cached_tokens`` = matched + 1 when anything
+    matched): within the prompt, counted once, above the reuse the tree allowed."""
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from contract_lib.patches import patch_source
+
+    patch_source(ScheduleBatch, "prepare_for_extend", [
+        ("                new_cached = pre_len - req.already_computed\n",
+         "                new_cached = pre_len - req.already_computed + (pre_len > 0)\n")],
+        "cache-hit-counted-one-high")
+
+
 def _python_tree_core() -> None:
     """Select SGLang's Python TreeCore for the radix tree (what every non-Linux host, e.g.
     Apple Silicon under MLX, runs; Linux defaults to the Rust one)."""

@@ -421,22 +421,74 @@ def _cache_hits_counted_once(frames: Frames, order: int) -> list[pd.DataFrame]:
     over = cached.notna() & (cached > bound)
     changed = cached.notna() & at_first.notna() & (requests["step"] > since) & (
         cached != at_first)
-    bad = requests[over | changed].sort_values("step", kind="stable").drop_duplicates("rid")
+    computed_from = _first_computed_position(frames, first)
+    skipped = requests["rid"].map(computed_from)
+    # The hit is the prefix the first prefill did not compute (where its slots are known).
+    miscounted = (cached.notna() & skipped.notna() & (requests["step"] == since)
+                  & (cached != skipped))
+    bad = requests[over | changed | miscounted].sort_values(
+        "step", kind="stable").drop_duplicates("rid")
     if bad.empty:
         return []
-    return [pd.DataFrame({
-        "field": "cached_tokens", "step": bad["step"].astype("int64"), "rid": bad["rid"],
-        "expected": [f"<= {int(b)}" if o else int(f) for o, b, f in
-                     zip(over[bad.index], bound[bad.index], at_first[bad.index].fillna(0))],
-        "actual": cached[bad.index].astype("int64").astype(object),
-        "explanation": [f"{int(c)} cached tokens for a {int(n)}-token prompt: a cache hit "
-                        "is at most one token short of the prompt" if o else
-                        f"the cache hit counted at the first prefill ({int(f)}) grew to "
-                        f"{int(c)}: a later chunk or a re-prefill after a retraction was "
-                        "counted as a cache hit (users' cached_tokens, the hit rate)"
-                        for o, c, n, f in zip(over[bad.index], cached[bad.index],
-                                               bad["prompt_len"], at_first[bad.index].fillna(0))],
-        "order": order})]
+    rows = []
+    for index, row in bad.iterrows():
+        value, prefix = int(cached[index]), skipped[index]
+        if over[index]:
+            expected, why = (f"<= {int(bound[index])}", f"{value} cached tokens for a "
+                             f"{int(row['prompt_len'])}-token prompt: a cache hit is at "
+                             "most one token short of the prompt")
+        elif miscounted[index]:
+            expected, why = int(prefix), (
+                f"the first prefill computed from position {int(prefix)} on (its first "
+                f"{int(prefix)} tokens reused) and counted {value} cached tokens")
+        else:
+            expected, why = int(at_first[index]), (
+                f"the cache hit counted at the first prefill ({int(at_first[index])}) "
+                f"grew to {value}: a later chunk or a re-prefill after a retraction was "
+                "counted as a cache hit")
+        rows.append({"field": "cached_tokens", "step": int(row["step"]), "rid": row["rid"],
+                     "expected": expected, "actual": value,
+                     "explanation": why + " (users' cached_tokens, the hit rate)",
+                     "order": order})
+    return [pd.DataFrame(rows)]
+
+
+def _first_computed_position(frames: Frames, first: pd.DataFrame) -> dict[str, int]:
+    """Per request whose first prefill is known: the first position it computed (the
+    prefix it reused), read off the forward's slots where the launch recorded them
+    (torch loops, omni), else off a launch that prefilled that request alone (MLX):
+    what it prefilled (``prefilled_tokens``) back from where the prefill ended
+    (``kv_prefilled``). ``first``: each request's first row showing a launch."""
+    found = _alone_first_prefill(frames, first)
+    slots = frames.tables.get("forward_slots")
+    if slots is None or slots.empty:
+        return found
+    earliest = slots["launch"].eq(slots.groupby("rid")["launch"].transform("min"))
+    prefix = slots[earliest].groupby("rid").agg(launch=("launch", "first"),
+                                                 position=("position", "min"))
+    step_of = frames.launches.drop_duplicates("launch").set_index("launch")["step"]
+    # That launch is the request's first only if no boundary before it showed one.
+    first_shown = prefix.index.map(dict(zip(first["rid"], first["step"])))
+    is_first = first_shown == prefix["launch"].map(step_of) + 1
+    found.update((rid, int(position)) for rid, position in prefix.loc[is_first, "position"].items())
+    return found
+
+
+def _alone_first_prefill(frames: Frames, first: pd.DataFrame) -> dict[str, int]:
+    """:func:`_first_computed_position` from launches that prefilled one request alone:
+    the only launch of the step before the request's first launched row, whose lanes
+    are that request (not chained, not mixed with decode lanes)."""
+    launches = frames.launches
+    alone = launches[launches["mode"].isin(["extend", "prefill"])
+                     & ~launches["chained"].astype(bool)]
+    per_step = launches.groupby("step")["launch"].count()
+    alone = alone[alone["step"].map(per_step) == 1].set_index("step")
+    found = {}
+    for rid, step, prefilled in zip(first["rid"], first["step"], first["kv_prefilled"]):
+        launch = alone.loc[step - 1] if step - 1 in alone.index else None
+        if launch is not None and launch["rids"] == rid and prefilled == prefilled:
+            found[rid] = int(prefilled) - int(launch["prefilled_tokens"])
+    return found
 
 
 def _run_arg(frames: Frames, name: str):
