@@ -780,6 +780,22 @@ def test_a_retraction_not_counted_breaks_clause_2(run_cached, loop, workload, st
             first["actual"]) == ("retraction_count", step, rid, 1, 0)
 
 
+@pytest.mark.parametrize("loop, steps", [("normal", (4, 6)), ("overlap", (5, 7)),
+                                         ("mlx", (5, 6))])
+def test_a_stop_token_finished_by_length_breaks_clause_2(run_cached, loop, steps):
+    """SGLang #17487 reintroduced (the length cap tested before the stop token and EOS):
+    a stop landing as the last allowed token ends the request by length, untrimmed, and
+    every run passed. A request that emits one of its stop tokens stops on it."""
+    base = ("fix-chained-accounting+fix-idle-predicate+fix-processed-tokens-counter"
+            if loop == "mlx" else "fix-processed-tokens-counter")
+    frames = run_cached(str(WORKLOADS_DIR / "stop-at-last.toml"), loop,
+                        f"{base}+user_patches:length_before_stop")
+    found = check(frames).clauses[2].violations
+    assert found[["field", "step", "rid", "expected", "actual"]].values.tolist() == [
+        ["output_ids", steps[0], "b", "stop on token 2 at 4", "length after 4"],
+        ["output_ids", steps[1], "a", "stop on token 7 at 6", "length after 6"]]
+
+
 def test_an_mlx_prefill_fed_another_lanes_ids_is_not_a_pass(run_cached):
     """The MLX worker feeding every request of an extend batch the first request's ids
     (its slots, lengths and counters right): the model-free runner computed each

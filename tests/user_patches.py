@@ -494,6 +494,24 @@ def cache_hit_counted_one_high():
         "cache-hit-counted-one-high")
 
 
+def length_before_stop():
+    """SGLang #17487 reintroduced: the finish checks test ``max_new_tokens`` before the
+    stop token and EOS, so a stop landing as the last allowed token ends the request by
+    length and is not trimmed (the client gets the EOS)."""
+    from sglang.srt.managers.schedule_batch import Req
+    from contract_lib.patches import patch_source
+
+    patch_source(Req, "update_finish_state", [(
+        "        new_accepted_tokens = self.output_ids[-new_accepted_len:]\n",
+        "        new_accepted_tokens = self.output_ids[-new_accepted_len:]\n"
+        "        if len(self.output_ids) >= self.sampling_params.max_new_tokens:\n"
+        "            self.finished_reason = FINISH_LENGTH(\n"
+        "                length=self.sampling_params.max_new_tokens\n"
+        "            )\n"
+        "            self.finished_len = self.sampling_params.max_new_tokens\n"
+        "            return\n")], "length-before-stop")
+
+
 def _python_tree_core() -> None:
     """Select SGLang's Python TreeCore for the radix tree (what every non-Linux host, e.g.
     Apple Silicon under MLX, runs; Linux defaults to the Rust one)."""

@@ -19,6 +19,22 @@ from contract_lib.workloads import RequestSpec, Workload
 Emit = Callable[[tuple], None]
 
 
+def stop_ids(req) -> list[int]:
+    """The token ids whose emission finishes ``req``, as SGLang's
+    ``Req._check_token_based_finish`` reads them: its stop token ids, the model's EOS ids
+    and the tokenizer's EOS and extra stop ids; none under ``ignore_eos``."""
+    params = req.sampling_params
+    if params.ignore_eos:
+        return []
+    ids = set(params.stop_token_ids or ()) | set(getattr(req, "eos_token_ids", None) or ())
+    tokenizer = getattr(req, "tokenizer", None)
+    if tokenizer is not None:
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            ids.add(tokenizer.eos_token_id)
+        ids |= set(getattr(tokenizer, "additional_stop_token_ids", None) or ())
+    return sorted(int(i) for i in ids)
+
+
 class RunEnd(BaseException):
     """Ends the run from a step boundary, through the loop. A ``BaseException``, as
     ``KeyboardInterrupt`` is: a loop that survives its steps' errors (``except
@@ -200,6 +216,7 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
             self._emit_effects()
         if not self.capture:
             return
+        self.emit(("meta", {"stop_ids": {rid: stop_ids(req) for rid, req in self.reqs.items()}}))
         self._emit_rows([("outputs", (rid, index, int(token)))
                          for rid, req in self.reqs.items()
                          for index, token in enumerate(req.output_ids)])

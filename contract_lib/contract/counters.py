@@ -83,6 +83,7 @@ def check_counters(frames: Frames) -> ClauseResult:
     parts += _served(frames, order=len(_COUNTERS) + 1)
     parts += _emitted_as_produced(frames, order=len(_COUNTERS) + 2)
     parts += _ended_where_sglang_ended_it(frames, order=len(_COUNTERS) + 2)
+    parts += _stopped_at_a_stop_token(frames, order=len(_COUNTERS) + 2)
     parts += _evicted_beyond_need(frames, order=len(_COUNTERS) + 3)
     parts += _retractions_counted(frames, order=len(_COUNTERS) + 3)
     rows = pd.concat(parts).sort_values(["step", "order"], kind="stable").drop(
@@ -259,6 +260,46 @@ def _ended_where_sglang_ended_it(frames: Frames, order: int) -> list[pd.DataFram
                 f"it is token {stop} of the {count} emitted: the request went on past its "
                 "stop" if stop else "it emitted no such token"), "order": order}
             for rid, matched, stop, count in wrong]
+    return [pd.DataFrame(rows)] if rows else []
+
+
+def _stopped_at_a_stop_token(frames: Frames, order: int) -> list[pd.DataFrame]:
+    """A request that emits one of its stop tokens (its stop ids, the model's EOS, unless
+    it ignores EOS: meta ``stop_ids``, SGLang's own sets) finishes there, on that
+    token: ``finish_reason`` stop with ``finish_matched`` that token, and nothing after
+    it. A length finish on it sends the client the stop token a stop would have
+    trimmed (SGLang #17487). An abort may end it there; an unfinished request is not
+    judged unless it went on past the token."""
+    stops = frames.meta.get("stop_ids") or {}
+    if not stops:
+        return []
+    tokens = frames.output_tokens()
+    requests = frames.requests
+    last = requests.drop_duplicates("rid", keep="last").set_index("rid")
+    ended = requests[requests["finished"].astype(bool)].drop_duplicates("rid").set_index(
+        "rid")["step"]  # the first step each shows its end
+    rows = []
+    for rid, ids in stops.items():
+        emitted, ids = tokens.get(rid, []), set(ids)
+        at = next((i for i, token in enumerate(emitted) if token in ids), None)
+        if at is None or rid not in last.index:
+            continue
+        reason, matched = last.at[rid, "finish_reason"], last.at[rid, "finish_matched"]
+        past = len(emitted) > at + 1
+        wrong_finish = reason in ("length", "stop") and not (
+            reason == "stop" and matched == emitted[at])
+        if past or wrong_finish:
+            rows.append({
+                "field": "output_ids", "step": int(ended.get(rid, last.at[rid, "step"])),
+                "rid": rid, "expected": f"stop on token {emitted[at]} at {at + 1}",
+                "actual": f"{reason} after {len(emitted)}",
+                "explanation": f"token {at} of the output is stop token {emitted[at]}, and "
+                               + ("the request went on past it" if past else
+                                  f"it finished by {reason}" + (
+                                      f" on {int(matched)}" if matched == matched and
+                                      matched is not None else "")
+                                  + ": the client gets the stop token a stop trims"),
+                "order": order})
     return [pd.DataFrame(rows)] if rows else []
 
 
@@ -479,6 +520,8 @@ def _alone_first_prefill(frames: Frames, first: pd.DataFrame) -> dict[str, int]:
     the only launch of the step before the request's first launched row, whose lanes
     are that request (not chained, not mixed with decode lanes)."""
     launches = frames.launches
+    if "kv_prefilled" not in first or "prefilled_tokens" not in launches:
+        return {}  # frames recorded before these columns
     alone = launches[launches["mode"].isin(["extend", "prefill"])
                      & ~launches["chained"].astype(bool)]
     per_step = launches.groupby("step")["launch"].count()
