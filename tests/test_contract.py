@@ -796,6 +796,23 @@ def test_a_stop_token_finished_by_length_breaks_clause_2(run_cached, loop, steps
         ["output_ids", steps[1], "a", "stop on token 7 at 6", "length after 6"]]
 
 
+@pytest.mark.parametrize("loop, step, actual", [
+    ("normal", 4, "after 32 computed"), ("overlap", 5, "before it was processed (step 5)"),
+    ("mlx", 5, "before it was processed (step 5)")])
+def test_a_middle_chunk_taken_for_the_last_breaks_clause_2(run_cached, loop, step, actual):
+    """A middle prefill chunk's result processed as the last one (sglang-jax #971's
+    counter, ported): b emits a token from 32 of its 40 prompt positions. Only the
+    outputs safety net saw it (no clause named a cause). The first token shows only
+    after the launch that computed the whole prompt was processed."""
+    base = ("fix-chained-accounting+fix-idle-predicate+fix-processed-tokens-counter"
+            if loop == "mlx" else "fix-processed-tokens-counter")
+    frames = run_cached(str(WORKLOADS_DIR / "chunk-three.toml"), loop,
+                        f"{base}+user_patches:middle_chunk_not_counted")
+    first = check(frames).clauses[2].first()
+    assert (first["field"], first["step"], first["rid"], first["actual"]) == (
+        "output_ids", step, "b", actual)
+
+
 def test_an_mlx_prefill_fed_another_lanes_ids_is_not_a_pass(run_cached):
     """The MLX worker feeding every request of an extend batch the first request's ids
     (its slots, lengths and counters right): the model-free runner computed each

@@ -512,6 +512,20 @@ def length_before_stop():
         "            return\n")], "length-before-stop")
 
 
+def middle_chunk_not_counted():
+    """sgl-project/sglang-jax #971, ported: the in-flight middle-chunk counter is armed
+    only when a chunked request starts, not for each continuing chunk, so with three or
+    more chunks a middle chunk's result is processed as the last prefill (a token from
+    half a prompt)."""
+    from sglang.srt.managers.scheduler import Scheduler
+    from contract_lib.patches import patch_source
+
+    patch_source(Scheduler, "_get_new_batch_prefill_raw", [(
+        "self.chunked_req.inflight_middle_chunks += 1",
+        "self.chunked_req.inflight_middle_chunks += int(adder.new_chunked_req is not None)",
+    )], "middle-chunk-not-counted")
+
+
 def _python_tree_core() -> None:
     """Select SGLang's Python TreeCore for the radix tree (what every non-Linux host, e.g.
     Apple Silicon under MLX, runs; Linux defaults to the Rust one)."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from contract_lib.contract.base import (HOLDS, VIOLATED, ClauseResult, first_step_showing,
+from contract_lib.contract.base import (HOLDS, VIOLATED, ClauseResult, first_step_showing, ints,
                                         live, live_mask, no_rows, result, violations)
 from contract_lib.contract.registry import clause, extend
 from contract_lib.frames import Frames
@@ -84,6 +84,7 @@ def check_counters(frames: Frames) -> ClauseResult:
     parts += _emitted_as_produced(frames, order=len(_COUNTERS) + 2)
     parts += _ended_where_sglang_ended_it(frames, order=len(_COUNTERS) + 2)
     parts += _stopped_at_a_stop_token(frames, order=len(_COUNTERS) + 2)
+    parts += _first_token_after_the_prompt(frames, order=len(_COUNTERS) + 2)
     parts += _evicted_beyond_need(frames, order=len(_COUNTERS) + 3)
     parts += _retractions_counted(frames, order=len(_COUNTERS) + 3)
     rows = pd.concat(parts).sort_values(["step", "order"], kind="stable").drop(
@@ -261,6 +262,45 @@ def _ended_where_sglang_ended_it(frames: Frames, order: int) -> list[pd.DataFram
                 "stop" if stop else "it emitted no such token"), "order": order}
             for rid, matched, stop, count in wrong]
     return [pd.DataFrame(rows)] if rows else []
+
+
+def _first_token_after_the_prompt(frames: Frames, order: int) -> list[pd.DataFrame]:
+    """A request's first token comes from the prefill of its whole prompt: it shows only
+    after the result of the launch that first computed every prompt position
+    (``kv_computed`` at least ``prompt_len``) was processed. A middle chunk's result
+    taken for the last one emits a token from half a prompt. (A request id holding a
+    comma is judged only when its prompt was not computed at all by then.)"""
+    requests = frames.requests.sort_values("step", kind="stable")
+    first = requests[(requests["emitted"] > 0) & requests["kv_computed"].notna()
+                     ].drop_duplicates("rid")
+    if first.empty:
+        return []
+    whole = requests[requests["kv_computed"] >= requests["prompt_len"]].drop_duplicates(
+        "rid").set_index("rid")["step"]
+    computed_at = first["rid"].map(whole)
+    early = computed_at.isna() | (computed_at > first["step"])
+    # The launch that first computed the whole prompt: the first launch, in the step
+    # before that, with the request among its lanes.
+    lanes = frames.launches[["launch", "step", "rids", "processed_step"]].assign(
+        rid=lambda t: t["rids"].fillna("").str.split(",")).explode("rid")
+    lanes = lanes.sort_values("launch", kind="stable").drop_duplicates(["rid", "step"])
+    launch = first[~early].assign(step=computed_at[~early] - 1)[["rid", "step"]].merge(
+        lanes[["rid", "step", "processed_step"]], on=["rid", "step"], how="left")
+    processed = pd.Series(launch["processed_step"].to_numpy(), index=first.index[~early])
+    unprocessed = processed.notna() & (first.loc[~early, "step"] <= processed)
+    bad = first[early | unprocessed.reindex(first.index, fill_value=False)]
+    if bad.empty:
+        return []
+    done = processed.reindex(bad.index)
+    return [pd.DataFrame({
+        "field": "output_ids", "step": bad["step"].astype("int64"), "rid": bad["rid"],
+        "expected": "first token after the prefill of " + ints(bad["prompt_len"])
+                    + " prompt positions",
+        "actual": [f"before it was processed (step {int(d)})" if d == d else
+                   f"after {int(k)} computed" for d, k in zip(done, bad["kv_computed"])],
+        "explanation": "the request emitted its first token before the result of the "
+                       "launch that computed its whole prompt was processed: a prefill "
+                       "chunk's result was taken for the last one", "order": order})]
 
 
 def _stopped_at_a_stop_token(frames: Frames, order: int) -> list[pd.DataFrame]:
