@@ -14,6 +14,7 @@ import pytest
 
 import contract_lib
 from contract_lib import kvpool
+from contract_lib.contract import check
 from contract_lib.tiny_model import (build_tiny_model, reference_outputs, tiny_model_dir,
                                      weights_digest)
 
@@ -188,6 +189,20 @@ def test_kv_figures_and_token_table(two_turn, reference):
     assert not views.same_tables(two_turn["unclamped"], two_turn["fixed"])["kv_syncs"]
     summary = views.damage_summary(two_turn["unclamped"], reference)
     assert summary["wrong output"] == "a2" and summary["into another live request"] == 8
+
+
+def test_a_damaged_kv_pool_fails_the_python_check_too(run_cached):
+    """A release that skips the runner's sync (SGLang before #30147's fix) leaves the
+    decode KV out of the pool: every clause holds, and the command line failed the run
+    on the damaged pool while ``check(frames).ok`` said pass. The report carries the
+    pool's verdict."""
+    frames = run_cached("two-turn", "mlx", "fix-chained-accounting+user_patches:"
+                        "mlx_release_skips_the_sync", runner=REAL)
+    report = check(frames)
+    assert report.kv_damaged and not report.ok
+    assert "the MLX KV pool was damaged" in report.verdict().line()
+    assert not check(run_cached("two-turn", "mlx", "fix-chained-accounting",
+                                runner=REAL)).kv_damaged
 
 
 def test_a_refused_run_earns_no_kv_pool_verdict():

@@ -526,6 +526,18 @@ def middle_chunk_not_counted():
     )], "middle-chunk-not-counted")
 
 
+def mlx_release_skips_the_sync():
+    """SGLang before #30147's fix: the MLX worker frees a finished request's row without
+    the runner's release sync, so its decode KV never reaches the pool, and a later
+    radix hit reads positions nothing wrote (the real runner's outputs change)."""
+    from sglang.srt.hardware_backend.mlx.tp_worker import MlxTpModelWorker
+    from contract_lib.patches import patch_source
+
+    patch_source(MlxTpModelWorker, "prepare_for_kv_cache_release", [
+        ("self._mlx_runner.release_request_row(req.rid, req.owned_kv_len())", "pass")],
+        "mlx-release-skips-the-sync")
+
+
 def _python_tree_core() -> None:
     """Select SGLang's Python TreeCore for the radix tree (what every non-Linux host, e.g.
     Apple Silicon under MLX, runs; Linux defaults to the Rust one)."""

@@ -64,6 +64,8 @@ class Report:
     # Per request, its first token that is not the fake model's (:mod:`.outputs`).
     wrong_outputs: pd.DataFrame = dataclasses.field(
         default_factory=lambda: pd.DataFrame(columns=OUTPUT_COLUMNS))
+    # A finished run of SGLang's real MLX runner damaged the KV pool (:mod:`contract_lib.kvpool`).
+    kv_damaged: bool = False
 
     @property
     def ok(self) -> bool:
@@ -73,8 +75,9 @@ class Report:
         return self.verdict().outcome == Outcome.PASS
 
     def verdict(self, kv_damaged: bool = False) -> Verdict:
-        """The run's outcome and exit code (:mod:`contract_lib.verdict`)."""
-        return verdict(self, kv_damaged)
+        """The run's outcome and exit code (:mod:`contract_lib.verdict`); the KV pool
+        counts as damaged when the report found it so, or the caller says it is."""
+        return verdict(self, kv_damaged or self.kv_damaged)
 
     def vacuity(self) -> list[str]:
         """Why a finished run proves nothing, unless its workload declares it expected:
@@ -263,7 +266,17 @@ def check(frames: Frames, clauses: str = "all") -> Report:
                            for number, check_ in checks.items()},
                   pool=check_pool(frames), aborted=aborted_requests(frames),
                   clause_set=clauses, not_overlapping=never_overlapped(frames),
-                  wrong_outputs=wrong_outputs(frames))
+                  wrong_outputs=wrong_outputs(frames), kv_damaged=_kv_damaged(frames))
+
+
+def _kv_damaged(frames: Frames) -> bool:
+    """A finished run of SGLang's real MLX runner damaged the KV pool (the command line
+    reads the same, and its pass needs an intact pool: so does :attr:`Report.ok`)."""
+    if frames.meta.get("runner") != "real" or frames.status != "finished":
+        return False
+    from contract_lib import kvpool
+
+    return kvpool.damaged(frames)
 
 
 def assert_contract(frames: Frames, clauses: str = "all") -> Report:
