@@ -460,7 +460,7 @@ def test_a_reuse_after_an_eviction_is_not_expected(run_cached, monkeypatch):
     """The reuse check expects nothing once the tree may have lost tokens: f's prompt is
     a prefix of c's, and c's cached prefix was evicted before f came (f reused none of
     it). Without the eviction guard the check would call that cache loss."""
-    from contract_lib.contract import counters
+    from contract_lib.contract import radix
 
     frames = run_cached(str(WORKLOADS_DIR / "radix-eviction.toml"), "normal",
                         "fix-processed-tokens-counter")
@@ -471,7 +471,7 @@ def test_a_reuse_after_an_eviction_is_not_expected(run_cached, monkeypatch):
         return found.loc[found["field"] == "cached_tokens", "rid"].tolist()
 
     assert reuse_findings() == []
-    monkeypatch.setattr(counters, "_disturbed_iterations", lambda frames: [])
+    monkeypatch.setattr(radix, "_disturbed_iterations", lambda frames: [])
     assert reuse_findings() == ["f"]
 
 

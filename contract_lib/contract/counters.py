@@ -17,7 +17,7 @@ produced for it, each once, none after it ended; a retraction is counted; and th
 allocator has the radix tree evict at most what an allocation is short of. The
 extension: ``decode_batch_idx``
 equals ``kv_computed - kv_prefilled`` (every decode launch computes exactly one position
-of each of its requests).
+of each of its requests). The radix cache rules are in :mod:`.radix`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ import pandas as pd
 
 from contract_lib.contract.base import (HOLDS, VIOLATED, ClauseResult, first_step_showing, ints,
                                         live, live_mask, no_rows, result, violations)
+from contract_lib.contract.radix import (_cache_hits_counted_once, _committed_pages,
+                                         _evicted_beyond_need, _released,
+                                         _reused_what_the_tree_kept, _run_arg)
 from contract_lib.contract.registry import clause, extend
 from contract_lib.frames import Frames
 
@@ -343,37 +346,6 @@ def _stopped_at_a_stop_token(frames: Frames, order: int) -> list[pd.DataFrame]:
     return [pd.DataFrame(rows)] if rows else []
 
 
-def _evicted_beyond_need(frames: Frames, order: int) -> list[pd.DataFrame]:
-    """The KV allocator evicts from the radix tree only what an allocation is short of:
-    each ``evict_to_free_tokens`` call asks the tree for at most its shortfall
-    (``need - available``, in whole pages, at least one page), and one that was short
-    of nothing evicts nothing. Evicting more throws away cached prefixes a later
-    request would have reused (silent cache loss)."""
-    evictions = frames.tables.get("evictions")
-    if evictions is None or evictions.empty:
-        return []
-    page = int(_run_arg(frames, "page_size") or 1)
-    short = (evictions["need"] - evictions["available"]).clip(lower=0)
-    bound = ((short + page - 1) // page * page).clip(lower=page).where(short > 0, 0)
-    asked = pd.to_numeric(evictions["asked"], errors="coerce")
-    evicted = evictions["evictable_before"] - evictions["evictable_after"]
-    bad = evictions[(asked > bound) | ((short == 0) & (evicted > 0))]
-    if bad.empty:
-        return []
-    return [pd.DataFrame({
-        "field": "evict_for_alloc", "step": bad["step"].astype("int64"), "rid": None,
-        "expected": [f"<= {int(b)}" for b in bound[bad.index]],
-        "actual": [int(a) if a == a else int(e) for a, e in
-                   zip(asked[bad.index], evicted[bad.index])],
-        "explanation": [f"an allocation of {int(n)} tokens with {int(f)} free ({int(g)} "
-                        f"short) had the radix tree evict beyond that ({int(e)} of its "
-                        f"{int(c)} cached tokens evicted): cached prefixes thrown away for "
-                        "nothing (silent cache loss)" for n, f, g, e, c in
-                        zip(bad["need"], bad["available"], short[bad.index],
-                            evicted[bad.index], bad["evictable_before"])],
-        "order": order})]
-
-
 def _retractions_counted(frames: Frames, order: int) -> list[pd.DataFrame]:
     """A request that gives its ``req_to_token`` row back before it ended was retracted
     (or preempted), and SGLang counts it (``retraction_count``, its ``num_retractions``):
@@ -396,211 +368,6 @@ def _retractions_counted(frames: Frames, order: int) -> list[pd.DataFrame]:
                         "retraction count did not rise" if r else "the retraction count "
                         "rose with no retraction" for r in retracted[bad.index]],
         "order": order})]
-
-
-def _disturbed_iterations(frames: Frames) -> list[int]:
-    """The loop iterations (numbered as the boundary before them) in which the radix
-    tree may have lost cached tokens: an allocation had it evict, a request was
-    retracted (a release path that evicts), or the tree held fewer tokens
-    (``kv_evictable + kv_protected``) at the next boundary. Sorted."""
-    steps = frames.steps.sort_values("step")
-    size = (steps["kv_evictable"] + steps["kv_protected"]).to_numpy()
-    numbers = steps["step"].to_numpy()
-    disturbed = set(numbers[:-1][size[1:] < size[:-1]].tolist())
-    evictions = frames.tables.get("evictions")
-    if evictions is not None and len(evictions):
-        gone = evictions["evictable_after"] < evictions["evictable_before"]
-        disturbed.update(evictions.loc[gone, "step"].astype("int64").tolist())
-    requests = frames.requests.sort_values(["rid", "step"], kind="stable")
-    same = requests["rid"].eq(requests["rid"].shift(1))
-    gave_back = (same & requests["req_pool_idx"].shift(1).notna()
-                 & requests["req_pool_idx"].isna() & ~requests["finished"].astype(bool))
-    disturbed.update((requests.loc[gave_back, "step"].astype("int64") - 1).tolist())
-    return sorted(disturbed)
-
-
-def _reused_what_the_tree_kept(frames: Frames, released: pd.DataFrame, kept: pd.Series,
-                               order: int) -> list[pd.DataFrame]:
-    """A request admitted after a finished request was released reuses what the radix
-    tree kept of it: at least the longest prefix its prompt shares with that request's
-    prompt and output as kept (``cache_protected_len``), at most one token short of
-    its own prompt, in whole pages (SGLang's match bound), whenever nothing could have
-    left the tree in between (:func:`_disturbed_iterations`). Read off SGLang's
-    ``cached_tokens`` (the most any step shows). A tree that kept the right number of
-    positions under the wrong keys, or lost them, fails here (silent cache loss)."""
-    prompts = frames.meta.get("prompts") or {}
-    requests = frames.requests
-    if released.empty or not prompts or "cached_tokens" not in requests:
-        return []
-    page = int(_run_arg(frames, "page_size") or 1)
-    outputs = frames.output_tokens()
-    disturbed = _disturbed_iterations(frames)
-    holding = requests[requests["req_pool_idx"].notna()]
-    admitted = (holding.groupby("rid")["step"].min() - 1).sort_values(kind="stable")
-    reused = pd.to_numeric(requests["cached_tokens"], errors="coerce").groupby(
-        requests["rid"]).max()
-    prompt_len = requests.groupby("rid")["prompt_len"].first()
-    # What the tree kept of each released request, in release order: (step, rid, tokens).
-    kept_tokens = sorted(
-        (int(step), rid, (list(prompts[rid]) + outputs.get(rid, []))[:int(length)])
-        for step, rid, length in zip(released["step"], released["rid"], kept[released.index])
-        if rid in prompts and length >= page)
-    # The hash of each kept page-aligned prefix -> (its latest release step, its rid).
-    prefixes: dict[int, tuple[int, str]] = {}
-    tokens_of: dict[str, list[int]] = {}
-    rows, next_release, cut = [], 0, 0
-    for rid, at in admitted.items():
-        while next_release < len(kept_tokens) and kept_tokens[next_release][0] <= at:
-            step, other, tokens = kept_tokens[next_release]
-            tokens_of[other], digest = tokens, 0
-            for length, token in enumerate(tokens, 1):
-                digest = hash((digest, token))
-                if length % page == 0:
-                    prefixes[digest] = (step, other)
-            next_release += 1
-        prompt = prompts.get(rid)
-        if (prompt is None or rid not in reused.index or reused[rid] != reused[rid]
-                or prompt_len.get(rid) != len(prompt)):
-            continue
-        while cut < len(disturbed) and disturbed[cut] <= at:
-            cut += 1
-        earliest = disturbed[cut - 1] + 2 if cut else -1  # a release after the last loss
-        bound, digest, best = (len(prompt) - 1) // page * page, 0, None
-        for length, token in enumerate(prompt[:bound], 1):
-            digest = hash((digest, token))
-            found = prefixes.get(digest) if length % page == 0 else None
-            if (found is not None and found[0] >= earliest
-                    and tokens_of[found[1]][:length] == prompt[:length]):
-                best = (length, found)
-        if best is not None and reused[rid] < best[0]:
-            (length, (step, other)) = best
-            rows.append({"field": "cached_tokens", "step": int(at) + 1, "rid": rid,
-                         "expected": length, "actual": int(reused[rid]),
-                         "explanation": f"reused {int(reused[rid])} cached tokens where the "
-                         f"radix tree held a {length}-token prefix of its prompt from "
-                         f"{other!r} (released at step {step}, nothing evicted since): the "
-                         "tree lost or mis-keyed what that request committed (silent "
-                         "cache loss)", "order": order})
-    return [pd.DataFrame(rows)] if rows else []
-
-
-def _cache_hits_counted_once(frames: Frames, order: int) -> list[pd.DataFrame]:
-    """SGLang counts a request's cache hit (``cached_tokens``) once, at its first prefill:
-    at most one token short of its prompt (its match bound), and unchanged from the
-    first step that shows the prefill on (a later chunk reuses the request's own
-    earlier chunks, a re-prefill after a retraction what it had computed: neither is a
-    cache hit). First step each."""
-    requests = frames.requests
-    if "cached_tokens" not in requests:
-        return []
-    cached = pd.to_numeric(requests["cached_tokens"], errors="coerce")
-    bound = (requests["prompt_len"] - 1).clip(lower=0)
-    prefilled = requests[requests["kv_computed"].notna()]
-    first = prefilled.sort_values("step", kind="stable").drop_duplicates("rid")
-    at_first = requests["rid"].map(dict(zip(first["rid"], cached[first.index])))
-    since = requests["rid"].map(dict(zip(first["rid"], first["step"])))
-    over = cached.notna() & (cached > bound)
-    changed = cached.notna() & at_first.notna() & (requests["step"] > since) & (
-        cached != at_first)
-    computed_from = _first_computed_position(frames, first)
-    skipped = requests["rid"].map(computed_from)
-    # The hit is the prefix the first prefill did not compute (where its slots are known).
-    miscounted = (cached.notna() & skipped.notna() & (requests["step"] == since)
-                  & (cached != skipped))
-    bad = requests[over | changed | miscounted].sort_values(
-        "step", kind="stable").drop_duplicates("rid")
-    if bad.empty:
-        return []
-    rows = []
-    for index, row in bad.iterrows():
-        value, prefix = int(cached[index]), skipped[index]
-        if over[index]:
-            expected, why = (f"<= {int(bound[index])}", f"{value} cached tokens for a "
-                             f"{int(row['prompt_len'])}-token prompt: a cache hit is at "
-                             "most one token short of the prompt")
-        elif miscounted[index]:
-            expected, why = int(prefix), (
-                f"the first prefill computed from position {int(prefix)} on (its first "
-                f"{int(prefix)} tokens reused) and counted {value} cached tokens")
-        else:
-            expected, why = int(at_first[index]), (
-                f"the cache hit counted at the first prefill ({int(at_first[index])}) "
-                f"grew to {value}: a later chunk or a re-prefill after a retraction was "
-                "counted as a cache hit")
-        rows.append({"field": "cached_tokens", "step": int(row["step"]), "rid": row["rid"],
-                     "expected": expected, "actual": value,
-                     "explanation": why + " (users' cached_tokens, the hit rate)",
-                     "order": order})
-    return [pd.DataFrame(rows)]
-
-
-def _first_computed_position(frames: Frames, first: pd.DataFrame) -> dict[str, int]:
-    """Per request whose first prefill is known: the first position it computed (the
-    prefix it reused), read off the forward's slots where the launch recorded them
-    (torch loops, omni), else off a launch that prefilled that request alone (MLX):
-    what it prefilled (``prefilled_tokens``) back from where the prefill ended
-    (``kv_prefilled``). ``first``: each request's first row showing a launch."""
-    found = _alone_first_prefill(frames, first)
-    slots = frames.tables.get("forward_slots")
-    if slots is None or slots.empty:
-        return found
-    earliest = slots["launch"].eq(slots.groupby("rid")["launch"].transform("min"))
-    prefix = slots[earliest].groupby("rid").agg(launch=("launch", "first"),
-                                                 position=("position", "min"))
-    step_of = frames.launches.drop_duplicates("launch").set_index("launch")["step"]
-    # That launch is the request's first only if no boundary before it showed one.
-    first_shown = prefix.index.map(dict(zip(first["rid"], first["step"])))
-    is_first = first_shown == prefix["launch"].map(step_of) + 1
-    found.update((rid, int(position)) for rid, position in prefix.loc[is_first, "position"].items())
-    return found
-
-
-def _alone_first_prefill(frames: Frames, first: pd.DataFrame) -> dict[str, int]:
-    """:func:`_first_computed_position` from launches that prefilled one request alone:
-    the only launch of the step before the request's first launched row, whose lanes
-    are that request (not chained, not mixed with decode lanes)."""
-    launches = frames.launches
-    if "kv_prefilled" not in first or "prefilled_tokens" not in launches:
-        return {}  # frames recorded before these columns
-    alone = launches[launches["mode"].isin(["extend", "prefill"])
-                     & ~launches["chained"].astype(bool)]
-    per_step = launches.groupby("step")["launch"].count()
-    alone = alone[alone["step"].map(per_step) == 1].set_index("step")
-    found = {}
-    for rid, step, prefilled in zip(first["rid"], first["step"], first["kv_prefilled"]):
-        launch = alone.loc[step - 1] if step - 1 in alone.index else None
-        if launch is not None and launch["rids"] == rid and prefilled == prefilled:
-            found[rid] = int(prefilled) - int(launch["prefilled_tokens"])
-    return found
-
-
-def _run_arg(frames: Frames, name: str):
-    """A server arg as the scheduler ran with it (meta ``resolved_args``: SGLang may
-    override what was given), else as given (frames recorded before it was kept)."""
-    resolved = frames.meta.get("resolved_args") or {}
-    return resolved[name] if name in resolved else frames.meta.get("server_args", {}).get(name)
-
-
-def _released(frames: Frames) -> pd.DataFrame:
-    """Each request that finished by length or a stop, at the first boundary where it
-    holds no ``req_to_token`` row (released); none when the radix cache is disabled."""
-    requests = frames.requests
-    if _run_arg(frames, "disable_radix_cache"):
-        return requests.iloc[0:0]
-    done = requests[requests["finished"].astype(bool) & requests["req_pool_idx"].isna()
-                    & requests["finish_reason"].isin(["length", "stop"])
-                    & requests["kv_committed_len"].notna()
-                    & requests["cache_protected_len"].notna()]
-    return done.sort_values("step", kind="stable").drop_duplicates("rid")
-
-
-def _committed_pages(frames: Frames, released: pd.DataFrame) -> pd.Series:
-    """What each released request committed, at most its prompt and output (a stop that
-    landed before the last committed position), in whole pages."""
-    page = int(_run_arg(frames, "page_size") or 1)
-    committed = released["kv_committed_len"].astype("int64").clip(
-        upper=(released["prompt_len"] + released["emitted"]).astype("int64"))
-    return committed // page * page
 
 
 @extend(2, fields=("decode_batch_idx",))
