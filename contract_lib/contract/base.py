@@ -94,6 +94,17 @@ def live(requests: pd.DataFrame) -> pd.DataFrame:
     return requests[live_mask(requests)]
 
 
+def retractions(requests: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series, pd.Series]:
+    """The requests table sorted by request then step, whether each row is the same
+    request as the row before, and whether the request gave its ``req_to_token`` row
+    back unfinished at that step (retracted or preempted)."""
+    ordered = requests.sort_values(["rid", "step"], kind="stable")
+    same = ordered["rid"].eq(ordered["rid"].shift(1))
+    gave_back = (same & ordered["req_pool_idx"].shift(1).notna()
+                 & ordered["req_pool_idx"].isna() & ~ordered["finished"].astype(bool))
+    return ordered, same, gave_back
+
+
 def first_step_showing(requests: pd.DataFrame, index_by_rid: dict[str, int]
                        ) -> dict[str, int]:
     """Per request of ``index_by_rid``, the first step at which it had emitted more than

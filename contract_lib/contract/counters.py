@@ -25,7 +25,8 @@ from __future__ import annotations
 import pandas as pd
 
 from contract_lib.contract.base import (HOLDS, VIOLATED, ClauseResult, first_step_showing, ints,
-                                        live, live_mask, no_rows, result, violations)
+                                        live, live_mask, no_rows, result, retractions,
+                                        violations)
 from contract_lib.contract.radix import (_cache_hits_counted_once, _committed_pages,
                                          _evicted_beyond_need, _released,
                                          _reused_what_the_tree_kept, _run_arg)
@@ -350,11 +351,8 @@ def _retractions_counted(frames: Frames, order: int) -> list[pd.DataFrame]:
     """A request that gives its ``req_to_token`` row back before it ended was retracted
     (or preempted), and SGLang counts it (``retraction_count``, its ``num_retractions``):
     between two steps the count rises by exactly the retractions seen."""
-    requests = frames.requests.sort_values(["rid", "step"], kind="stable")
-    same = requests["rid"].eq(requests["rid"].shift(1))
-    held_before = requests["req_pool_idx"].shift(1).notna() & same
-    retracted = (held_before & requests["req_pool_idx"].isna()
-                 & ~requests["finished"].astype(bool)).astype("int64")
+    requests, same, gave_back = retractions(frames.requests)
+    retracted = gave_back.astype("int64")
     counted = pd.to_numeric(requests["retractions"], errors="coerce")
     rise = (counted - counted.shift(1)).where(same)
     bad = requests[rise.notna() & (rise != retracted)]

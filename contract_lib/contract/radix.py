@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from contract_lib.contract.base import retractions
 from contract_lib.frames import Frames
 
 
@@ -54,10 +55,7 @@ def _disturbed_iterations(frames: Frames) -> list[int]:
     if evictions is not None and len(evictions):
         gone = evictions["evictable_after"] < evictions["evictable_before"]
         disturbed.update(evictions.loc[gone, "step"].astype("int64").tolist())
-    requests = frames.requests.sort_values(["rid", "step"], kind="stable")
-    same = requests["rid"].eq(requests["rid"].shift(1))
-    gave_back = (same & requests["req_pool_idx"].shift(1).notna()
-                 & requests["req_pool_idx"].isna() & ~requests["finished"].astype(bool))
+    requests, _, gave_back = retractions(frames.requests)
     disturbed.update((requests.loc[gave_back, "step"].astype("int64") - 1).tolist())
     return sorted(disturbed)
 
