@@ -165,7 +165,7 @@ def child_run(spec: dict[str, Any], conn: Connection, journal_fd: int) -> None:
 def _build(spec: dict[str, Any], loop_spec: loops.LoopSpec, emit,
            timing: dict[str, float]):
     """Shims, patch, a real Scheduler and the capture hooks (wall times into ``timing``).
-    Returns the scheduler, the frame recorder and the KV pool recorder (real runner)."""
+    Returns the scheduler, the frame recorder and the KV pool recorder (MLX)."""
     started = time.perf_counter()
     runner = spec.get("runner", "model-free")
     if loop_spec.mlx:
@@ -255,7 +255,7 @@ def _build(spec: dict[str, Any], loop_spec: loops.LoopSpec, emit,
     holder["recorder"] = recorder
     recorder.install()
     kv_recorder = None
-    if runner == "real" and spec.get("capture", True):
+    if loop_spec.mlx and spec.get("capture", True):  # either runner's pool
         from contract_lib.kvpool import KvPoolRecorder
 
         kv_recorder = KvPoolRecorder(scheduler, recorder, emit, model_dir)

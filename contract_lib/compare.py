@@ -183,18 +183,22 @@ class Comparison:
                     result.violations["field"], result.violations["rid"])}
         return found
 
-    def kv_damage(self, side: int) -> dict[tuple[str, str], bool]:
-        """Real-runner runs only: whether each damaged the MLX KV pool (a row of the
-        clause table, judged as a clause)."""
-        verdicts = {key: kvpool.kv_verdict(pair[side]) for key, pair in self.runs.items()
-                    if pair[side].meta.get("runner") == "real"}
-        return {key: bad for key, bad in verdicts.items() if bad is not None}
+    def kv_damage(self) -> list[dict[tuple[str, str], bool]]:
+        """Per side, whether each MLX run damaged the KV pool (a row of the clause table,
+        judged as a clause: :func:`contract_lib.kvpool.kv_rows`)."""
+        sides = [{key: pair[side] for key, pair in self.runs.items()} for side in (0, 1)]
+        return kvpool.kv_rows(sides, real="real" in (self.runner(0), self.runner(1)))
+
+    def runner(self, side: int) -> str:
+        """``real`` when a run of the side ran SGLang's real MLX runner."""
+        return ("real" if any(pair[side].meta.get("runner") == "real"
+                              for pair in self.runs.values()) else "model-free")
 
     def clause_table(self) -> pd.DataFrame:
         """One row per (clause, loop): each side's worst status over the workloads (as
         ``status`` shows it) and the change."""
-        statuses = [Status(self.reports(side), kv_damaged=self.kv_damage(side))
-                    for side in (0, 1)]
+        statuses = [Status(self.reports(side), runner=self.runner(side), kv_damaged=damage)
+                    for side, damage in zip((0, 1), self.kv_damage())]
         pool_row = any(status.leaks() for status in statuses)  # on both sides, or neither
         tables = [dataclasses.replace(status, pool_row=pool_row).table()
                   for status in statuses]
@@ -293,15 +297,15 @@ def _reuse(frames: Frames, rid: str) -> str:
 
 def pool_summary(frames: Frames) -> str:
     """The KV pool over the run: SGLang's conservation law (``balanced`` or how many steps
-    leak), the peak positions in use of the pool's total, and with the real MLX runner
-    whether its KV pool was damaged (:func:`contract_lib.kvpool.damaged`)."""
+    leak), the peak positions in use of the pool's total, and whether the MLX KV pool was
+    damaged (:func:`contract_lib.kvpool.damaged`; the model-free runner's, when it was)."""
     steps = frames.steps
     if steps.empty:
         return "-"
     leaks = int(steps["pool_leak"].astype(bool).sum())
     peak = int((steps["kv_total"] - steps["kv_available"]).max())
     state = f"leak at {leaks} steps" if leaks else "balanced"
-    if frames.meta.get("runner") == "real":
+    if frames.meta.get("runner") == "real" or kvpool.damaged(frames):  # model-free: when damaged
         verdict = kvpool.kv_verdict(frames)
         state += {True: ", KV DAMAGED", False: ", KV intact", None: ", KV not judged"}[verdict]
     return f"{state}, peak {peak}/{int(steps['kv_total'].max())}"

@@ -81,13 +81,6 @@ def install_release_compat() -> list[str]:
     applied = []
     if _backport_stub_logical_max_total_num_tokens():
         applied.append("backport-stub-logical-max-total-num-tokens")
-    from sglang.srt.hardware_backend.mlx import model_runner
-
-    from contract_lib.shims.mlx_runner import install_model_free_flush
-
-    if hasattr(model_runner.MlxModelRunner, "flush_all_decode_kv"):
-        install_model_free_flush()  # the worker of this release calls it (0.5.21)
-        applied.append("model-free-flush-all-decode-kv")
     return applied
 
 

@@ -47,17 +47,19 @@ Tables (pandas DataFrames; the column lists below are the schema):
   radix tree to evict or changed it: the tokens the allocation needed (``need``), those
   free then (``available``), the most it ``asked`` the tree for, and the tree's
   evictable tokens before and after (:mod:`contract_lib.capture.evictions`; clause 2).
-- ``kv_syncs`` (``runner="real"`` only): every position written into the MLX attention
+- ``kv_syncs`` (MLX, radix cache on): every position written into the MLX attention
   KV pool: step, request, kind (``prefill``, ``extend``, ``release``, ``flush``,
   ``remove``; ``dropped`` for positions a clamped release leaves out), position, slot,
   and whose slot it was (``target``: ``own``, ``slot 0``, ``other live request`` with
   its ``owner``, ``shared prefix``, ``free``, ``cached``) (:mod:`contract_lib.kvpool`).
-- ``kv_pool`` (``runner="real"`` only): at the end of the run, per request and
+- ``kv_pool`` (MLX, radix cache on): at the end of the run, per request and
   radix-matched position, its pool slot's KV against mlx-lm's own KV for that request's
-  tokens: ``verdict`` ``ok`` / ``zero`` / ``wrong`` and ``max_abs_diff``.
+  tokens: ``verdict`` ``ok`` / ``zero`` / ``wrong`` and ``max_abs_diff``. The model-free
+  runner's pool holds contents, not KV (per slot, a digest of the tokens it was computed
+  from, :class:`contract_lib.shims.mlx_runner.ModelFreeKvPool`): the same verdicts,
+  ``max_abs_diff`` NaN.
 
-Model-free runs leave ``kv_syncs`` and ``kv_pool`` empty (the model-free runner has no
-KV pool).
+The torch loops and omni leave ``kv_syncs`` and ``kv_pool`` empty.
 
 ``WALL_CLOCK_COLUMNS`` are kept out of every comparison between runs.
 """

@@ -1,10 +1,13 @@
-"""The MLX attention KV pool of a real-runner run: every write into it, and what it holds.
+"""The MLX attention KV pool of a run: every write into it, and what it holds.
 
 With ``runner="real"`` the MLX loop runs SGLang's own ``MlxModelRunner``, whose
 per-request contiguous KV caches are copied into the shared ``MlxAttentionKVPool`` at
 the slot ids the scheduler wrote into ``req_to_token``; a later request with a radix hit
-reads its prefix from those slots. Clause 1 is about exactly these slot ids. This module
-observes (it calls through) and records two tables:
+reads its prefix from those slots. Clause 1 is about exactly these slot ids. The
+model-free runner keeps the same pool of contents instead of KV (per slot, a digest of
+the tokens the KV there was computed from) and runs SGLang's own sync methods, so its
+writes and verdicts are the real runner's (:mod:`contract_lib.shims.mlx_runner`). This
+module observes (it calls through) and records two tables:
 
 - ``kv_syncs``: every position written into the pool, when (``step``), for which request
   (``rid``), by which path (``kind``), into which slot, and whose slot that was
@@ -30,9 +33,11 @@ observes (it calls through) and records two tables:
 - ``kv_pool``: at the end of the run, for every request, the pool slots the radix tree
   matches for its token sequence (prompt + output), each compared with the K and V that
   mlx-lm's own model computes for that sequence (:func:`contract_lib.tiny_model.reference_kv`),
-  over every layer: ``ok`` (``allclose``, atol 1e-5), ``zero`` (the slot was never
-  written) or ``wrong`` (other KV: the slot was overwritten, or its KV was computed from
-  a damaged prefix). ``max_abs_diff`` is the largest difference over layers, K and V.
+  over every layer (model-free: with the contents a correct run computes,
+  :func:`contract_lib.shims.mlx_runner.reference_contents`): ``ok`` (``allclose``, atol
+  1e-5), ``zero`` (the slot was never written) or ``wrong`` (other KV: the slot was
+  overwritten, or its KV was computed from a damaged prefix). ``max_abs_diff`` is the
+  largest difference over layers, K and V (model-free: NaN).
 
 ``meta["kv_pool"]`` adds ``slot0_nonzero`` (whether padding slot 0 holds anything at the
 end) and ``model`` (the tiny model's weights digest).
@@ -41,6 +46,8 @@ end) and ``model`` (the tiny model's weights digest).
 from __future__ import annotations
 
 import array
+import itertools
+import math
 import sys
 
 import pandas as pd
@@ -73,6 +80,7 @@ class KvPoolRecorder:
         self.emit = emit
         self.model_dir = model_dir
         self.runner = None
+        self._model = None  # mlx-lm's model (real runner), loaded at the run's end
         self._context: list[tuple[str, str]] = []
 
     # -- writes -----------------------------------------------------------------------------
@@ -140,27 +148,34 @@ class KvPoolRecorder:
         return holders
 
     def _record(self, rid: str | None, kind: str, start: int, slots: list[int]) -> None:
-        holders = self._live_holders(rid)
-        free = free_slot_mask(self.s.token_to_kv_pool_allocator)
-        rtt = self.s.req_to_token_pool.req_to_token
         req = self.recorder.reqs.get(rid)
-        own_row = None if req is None else req.kv.req_pool_idx
+        row = None if req is None else req.kv.req_pool_idx
+        own = ([] if row is None else
+               self.s.req_to_token_pool.req_to_token[row, start:start + len(slots)].tolist())
+        # The other live requests' slots and the allocator's free ones, read at the first
+        # slot that is not the writer's own (most writes have none).
+        holders: dict[int, tuple[str, int, int]] | None = None
+        free = None
         rows = []
         for i, slot in enumerate(slots):
             position = start + i
             owner = None
             if slot == 0:
                 target = "slot 0"
-            elif own_row is not None and int(rtt[own_row, position]) == slot:
+            elif i < len(own) and own[i] == slot:
                 target = "own"
-            elif slot in holders:
-                owner, held_at, protected = holders[slot]
-                target = ("shared prefix" if held_at == position and position < protected
-                          else "other live request")
-            elif slot < len(free) and free[slot]:
-                target = "free"
             else:
-                target = "cached"
+                if holders is None:
+                    holders = self._live_holders(rid)
+                    free = free_slot_mask(self.s.token_to_kv_pool_allocator)
+                if slot in holders:
+                    owner, held_at, protected = holders[slot]
+                    target = ("shared prefix" if held_at == position and position < protected
+                              else "other live request")
+                elif slot < len(free) and free[slot]:
+                    target = "free"
+                else:
+                    target = "cached"
             rows.append(("kv_syncs", {
                 "step": self.recorder.step, "rid": rid, "kind": kind, "position": position,
                 "slot": slot, "target": target, "owner": owner,
@@ -170,50 +185,69 @@ class KvPoolRecorder:
     # -- contents at the end ----------------------------------------------------------------
 
     def finish(self) -> None:
-        """Emit ``kv_pool`` (every request's radix-matched slots against mlx-lm's KV) and
-        ``meta["kv_pool"]``."""
-        import mlx.core as mx
-
-        from contract_lib.tiny_model import (load_reference_model, reference_kv,
-                                             weights_digest)
+        """Emit ``kv_pool`` (every request's radix-matched slots against what a correct run
+        holds there) and ``meta["kv_pool"]``."""
+        from contract_lib.shims.mlx_runner import ModelFreeKvPool
 
         pool = self.runner._attention_kv_pool if self.runner is not None else None
         if pool is None:
             return
-        buffers = pool.all_buffers()
-        mx.eval(*buffers)
-        slot0_nonzero = any(bool(mx.any(buffer[0] != 0).item()) for buffer in buffers)
-        layers = list(self.runner._cache_layout.full_attention_layer_indices)
-        model = load_reference_model(self.model_dir)
+        model_free = isinstance(pool, ModelFreeKvPool)
         rows = []
         for rid, req in self.recorder.reqs.items():
             tokens = list(req.origin_input_ids) + list(req.output_ids)
             slots = self._radix_slots(tokens)
             if not slots:
                 continue
-            reference = reference_kv(model, tokens)
-            index = mx.array(slots, dtype=mx.int32)
-            n = len(slots)
-            diff = mx.zeros((n,))
-            nonzero = mx.zeros((n,), dtype=mx.bool_)
-            for j, layer in enumerate(layers):
-                ref_k, ref_v = reference[layer]
-                for buffer, ref in ((pool.k_buffer[j], ref_k), (pool.v_buffer[j], ref_v)):
-                    got = buffer[index]                        # (n, heads, head_dim)
-                    want = ref[:, :n, :].transpose(1, 0, 2)    # (n, heads, head_dim)
-                    diff = mx.maximum(diff, mx.abs(got - want).max(axis=(1, 2)))
-                    nonzero = nonzero | mx.any(got != 0, axis=(1, 2))
-            mx.eval(diff, nonzero)
-            for position, (slot, d, nz) in enumerate(zip(slots, diff.tolist(),
-                                                         nonzero.tolist())):
-                verdict = "ok" if d <= ATOL else ("wrong" if nz else "zero")
-                rows.append(("kv_pool", {
-                    "rid": rid, "position": position, "slot": slot, "verdict": verdict,
-                    "max_abs_diff": float(f"{d:.3g}"),
-                }))
+            found = (zip(pool.verdicts(tokens, slots), itertools.repeat(math.nan))
+                     if model_free else self._kv_verdicts(pool, tokens, slots))
+            for position, (slot, (verdict, diff)) in enumerate(zip(slots, found)):
+                rows.append(("kv_pool", {"rid": rid, "position": position, "slot": slot,
+                                         "verdict": verdict, "max_abs_diff": diff}))
         self.emit(("rows", rows, []))
-        self.emit(("meta", {"kv_pool": {"slot0_nonzero": slot0_nonzero,
-                                        "model": weights_digest(self.model_dir)}}))
+        if model_free:
+            meta = {"slot0_nonzero": 0 in pool.contents, "model": "model-free"}
+        else:
+            from contract_lib.tiny_model import weights_digest
+
+            meta = {"slot0_nonzero": self._slot0_nonzero(pool),
+                    "model": weights_digest(self.model_dir)}
+        self.emit(("meta", {"kv_pool": meta}))
+
+    def _kv_verdicts(self, pool, tokens: list[int], slots: list[int]
+                     ) -> list[tuple[str, float]]:
+        """Per slot: its verdict and largest difference over layers, K and V, against the
+        KV mlx-lm's own model computes for ``tokens``."""
+        import mlx.core as mx
+
+        from contract_lib.tiny_model import load_reference_model, reference_kv
+
+        if self._model is None:
+            self._model = load_reference_model(self.model_dir)
+        reference = reference_kv(self._model, tokens)
+        layers = list(self.runner._cache_layout.full_attention_layer_indices)
+        index = mx.array(slots, dtype=mx.int32)
+        n = len(slots)
+        diff = mx.zeros((n,))
+        nonzero = mx.zeros((n,), dtype=mx.bool_)
+        for j, layer in enumerate(layers):
+            ref_k, ref_v = reference[layer]
+            for buffer, ref in ((pool.k_buffer[j], ref_k), (pool.v_buffer[j], ref_v)):
+                got = buffer[index]                        # (n, heads, head_dim)
+                want = ref[:, :n, :].transpose(1, 0, 2)    # (n, heads, head_dim)
+                diff = mx.maximum(diff, mx.abs(got - want).max(axis=(1, 2)))
+                nonzero = nonzero | mx.any(got != 0, axis=(1, 2))
+        mx.eval(diff, nonzero)
+        return [("ok" if d <= ATOL else ("wrong" if nz else "zero"), float(f"{d:.3g}"))
+                for d, nz in zip(diff.tolist(), nonzero.tolist())]
+
+    @staticmethod
+    def _slot0_nonzero(pool) -> bool:
+        import mlx.core as mx
+
+        buffers = pool.all_buffers()
+        mx.eval(*buffers)
+        return any(bool(mx.any(buffer[0] != 0).item()) for buffer in buffers)
 
     def _radix_slots(self, tokens: list[int]) -> list[int]:
         """The pool slots the radix tree holds for the longest cached prefix of ``tokens``."""
@@ -248,7 +282,7 @@ def summary_table(frames) -> pd.DataFrame:
 
 
 def damaged(frames) -> bool:
-    """True when a real-runner run wrote KV through slot 0 or into another live
+    """True when an MLX run (either runner) wrote KV through slot 0 or into another live
     request's slots, or left a radix-matched slot zero or wrong."""
     syncs, pool = frames.kv_syncs, frames.kv_pool
     written = syncs[syncs["kind"] != "dropped"]
@@ -266,11 +300,28 @@ def kv_verdict(frames) -> bool | None:
     return False if frames.status == "finished" else None
 
 
+def kv_rows(tables: list[dict], real: bool) -> list[dict]:
+    """The KV pool row of clause tables shown side by side (``tables``: per table, key ->
+    Frames, keys ending in the loop): per table, key -> damaged over its MLX runs that
+    earned a verdict. Always for the real runner; for the model-free one only when a run
+    of any table was damaged (its pool is a stand-in, said when it finds something)."""
+    from contract_lib import loops
+
+    rows = [{key: bad for key, frames in runs.items()
+             if loops.spec(key[-1]).mlx and (bad := kv_verdict(frames)) is not None}
+            for runs in tables]
+    if real or any(any(row.values()) for row in rows):
+        return rows
+    return [{} for _ in rows]
+
+
 def pool_table(frames) -> str:
     """:func:`summary_table` as text, with the slot-0 state, for terminals."""
     table = summary_table(frames)
-    slot0 = (frames.meta.get("kv_pool") or {}).get("slot0_nonzero")
+    pool = frames.meta.get("kv_pool") or {}
+    against = ("the contents a correct run computes" if pool.get("model") == "model-free"
+               else "mlx-lm's KV")
     head = ("MLX attention KV pool: writes per request (prefill, release, flush, remove) "
-            "and, at the end, the radix-matched slots against mlx-lm's KV; padding slot 0 "
-            + ("holds KV" if slot0 else "is untouched"))
+            f"and, at the end, the radix-matched slots against {against}; padding slot 0 "
+            + ("holds KV" if pool.get("slot0_nonzero") else "is untouched"))
     return head + "\n" + table.to_string(index=False)

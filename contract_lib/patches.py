@@ -116,14 +116,16 @@ def unclamped_sync() -> None:
     - ``prepare_for_kv_cache_release`` no longer calls ``release_request_row`` (the
       runner keeps the row mapping until ``remove_request``).
 
-    With the real runner the chained positions' KV goes to slot 0 (fresh row) and into
-    another live request's slots (reused row), and a radix hit reads zeros. With the
-    model-free runner there is no pool to damage: only the call pattern changes.
+    The chained positions' KV goes to slot 0 (fresh row) and into another live request's
+    slots (reused row), and a radix hit reads zeros: with the real runner's KV, and with
+    the model-free runner's contents (it runs these methods as SGLang ships them).
     """
     from sglang.srt.hardware_backend.mlx import model_runner, tp_worker
 
-    from contract_lib import shims
-
+    runner = model_runner.MlxModelRunner  # the model-free runner when that one is installed
+    if hasattr(runner, "flush_all_decode_kv"):
+        raise PatchError("patch 'unclamped-sync': this SGLang already has "
+                         "flush_all_decode_kv (<= 0.5.21): it needs no patch")
     worker = tp_worker.MlxTpModelWorker
     patch_source(worker, "async_forward_batch_generation_mlx", [
         ("return self._async_extend_batch(batch)\n",
@@ -133,19 +135,12 @@ def unclamped_sync() -> None:
     patch_source(worker, "prepare_for_kv_cache_release", [
         ("self._mlx_runner.release_request_row(req.rid, req.owned_kv_len())\n", ""),
     ], "unclamped-sync")
-    runner = model_runner.MlxModelRunner  # the model-free runner when that one is installed
-    if runner is shims.ModelFreeMlxRunner:
-        shims.install_model_free_flush()
-        return
     patch_source(runner, "remove_request", [
         ("self._req_token_ids.pop(req_id, None)\n",
          "if not self.disable_radix_cache:\n"
          "    self._sync_decode_kv_to_pool(req_id)\n"
          "self._req_token_ids.pop(req_id, None)\n"),
     ], "unclamped-sync")
-    if hasattr(runner, "flush_all_decode_kv"):
-        raise PatchError("patch 'unclamped-sync': this SGLang already has "
-                         "flush_all_decode_kv (<= 0.5.21): it needs no patch")
     runner.flush_all_decode_kv = flush_all_decode_kv
 
 

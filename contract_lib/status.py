@@ -22,6 +22,9 @@ from contract_lib.workloads import workload_names
 # The extra row of a real-runner table: did a run write KV through slot 0 or into another
 # live request's slots, or leave a radix-matched slot zero or wrong (contract_lib.kvpool)?
 KV_POOL_ROW = "- KV pool (real MlxModelRunner)"
+MODEL_FREE_KV_POOL_ROW = "- KV pool (model-free runner's contents)"
+KV_POOL_NOTE = ("(KV pool: damaged = KV written through slot 0 or into another live "
+                "request's slots, or a radix-matched slot left zero or wrong)")
 
 # A run's clause cell: a violation found in its frames shows whatever became of the run
 # (it is evidence); otherwise a run that did not reach the end of its loop shows its fate
@@ -80,7 +83,7 @@ class Status:
     reports: dict[tuple[str, str], Report]
     sglang: str | None = None
     runner: str = "model-free"
-    # Real runner only: (workload, loop) -> whether the run damaged the MLX KV pool.
+    # (workload, loop) -> whether the run damaged the MLX KV pool (:func:`kvpool.kv_rows`).
     kv_damaged: dict[tuple[str, str], bool] = dataclasses.field(default_factory=dict)
     # Show SGLang's pool conservation row even when no run leaked (a comparison's other
     # side leaked); it is shown whenever one did.
@@ -140,11 +143,12 @@ class Status:
                              else f"balanced ({len(seen)}/{len(seen)})")
             rows.append(row)
         if self.kv_damaged:
-            row = {"clause": KV_POOL_ROW}
+            row = {"clause": KV_POOL_ROW if self.runner == "real" else MODEL_FREE_KV_POOL_ROW}
             for loop in columns:
                 cell = [bad for (_, l), bad in self.kv_damaged.items() if l == loop]
                 worst = "damaged" if any(cell) else "intact"
-                row[loop] = f"{worst} ({sum(cell) if any(cell) else len(cell)}/{len(cell)})"
+                row[loop] = (f"{worst} ({sum(cell) if any(cell) else len(cell)}/{len(cell)})"
+                             if cell else "-")  # no MLX KV pool on this loop
             rows.append(row)
         return pd.DataFrame(rows, columns=["clause", *columns]).set_index("clause")
 
@@ -203,8 +207,7 @@ class Status:
             lines.append("(KV pool conservation: leak = available + evictable + protected + "
                          "uncached != total at a step boundary, SGLang's own law)")
         if self.kv_damaged:
-            lines.append("(KV pool: damaged = KV written through slot 0 or into another live "
-                         "request's slots, or a radix-matched slot left zero or wrong)")
+            lines.append(KV_POOL_NOTE)
         for workload, loop, status in self.runs_not_finished():
             lines.append(f"run {workload} on {loop}: {status}")
         return "\n".join(line.rstrip() for line in lines)
@@ -287,9 +290,8 @@ class ReleasesStatus:
         lines.append("")
         lines.append("(worst status over the workloads, and in how many of them it shows"
                      + ("; MLX with the real MlxModelRunner)" if runner == "real" else ")"))
-        if runner == "real":
-            lines.append("(KV pool: damaged = KV written through slot 0 or into another live "
-                         "request's slots, or a radix-matched slot left zero or wrong)")
+        if any(s.kv_damaged for s in self.statuses):
+            lines.append(KV_POOL_NOTE)
         lines += _findings_note(table)
         for s in self.statuses:
             for workload, loop, state in s.runs_not_finished():
@@ -331,15 +333,12 @@ def releases_status(versions: list[str | None], workloads: list[str] | None = No
                            if registry.spec(loop).sglang else {"sglang": sources[v][0]})}
                        for v, w, loop in keys], progress=progress)
     frames = frames_or_raise(frames)  # e.g. a bad server arg: the table needs every run
-    statuses = []
-    for version in sources:
-        runs = [((w, loop), f) for (v, w, loop), f in zip(keys, frames) if v == version]
-        damage = {}
-        if runner == "real":
-            from contract_lib.kvpool import kv_verdict
+    from contract_lib.kvpool import kv_rows
 
-            damage = {key: verdict for key, f in runs
-                      if (verdict := kv_verdict(f)) is not None}
-        statuses.append(Status({key: check(f, clauses) for key, f in runs}, sglang=version,
-                               runner=runner, kv_damaged=damage))
-    return ReleasesStatus(statuses)
+    runs = [{(w, loop): f for (v, w, loop), f in zip(keys, frames) if v == version}
+            for version in sources]
+    damage = kv_rows(runs, real=runner == "real")
+    return ReleasesStatus([
+        Status({key: check(f, clauses) for key, f in version_runs.items()}, sglang=version,
+               runner=runner, kv_damaged=version_damage)
+        for version, version_runs, version_damage in zip(sources, runs, damage)])

@@ -154,10 +154,14 @@ def test_kv_pool_summary_table(two_turn):
     assert "untouched" in kvpool.pool_table(two_turn["shipped"])
 
 
-def test_model_free_runs_keep_the_kv_tables_empty(run_cached):
+def test_model_free_mlx_runs_keep_a_pool_and_the_torch_loops_none(run_cached):
     frames = run_cached("two-turn", "mlx")
     assert frames.meta["runner"] == "model-free"
-    assert frames.kv_syncs.empty and frames.kv_pool.empty
+    assert not frames.kv_syncs.empty and not frames.kv_pool.empty
+    assert frames.meta["kv_pool"]["model"] == "model-free"
+    assert frames.kv_pool["max_abs_diff"].isna().all()
+    torch = run_cached("two-turn", "normal")
+    assert torch.kv_syncs.empty and torch.kv_pool.empty
 
 
 # -- the notebook's views ---------------------------------------------------------------------
@@ -217,3 +221,35 @@ def test_a_refused_run_earns_no_kv_pool_verdict():
     kv_row = table.statuses[0].table().loc[next(
         c for c in table.statuses[0].table().index if "KV pool" in c), "mlx"]
     assert kv_row == "intact (1/1)"
+
+
+# -- the model-free runner's pool: the same writes and verdicts, without a model ------------
+
+
+@pytest.mark.parametrize("patch", [
+    "", "fix-chained-accounting", "unclamped-sync", "fix-chained-accounting+unclamped-sync",
+    "fix-chained-accounting+user_patches:mlx_release_skips_the_sync"])
+def test_the_model_free_pool_agrees_with_the_real_one(run_cached, patch):
+    """The model-free runner keeps, per slot, a digest of the tokens the KV there was
+    computed from, and runs SGLang's own sync methods: every write (kind, slot, target)
+    and every end verdict (ok, zero, wrong) equals the real runner's, damage or none."""
+    real = run_cached("two-turn", "mlx", patch or None, runner=REAL)
+    free = run_cached("two-turn", "mlx", patch or None)
+    assert (real.status, free.status) == ("finished", "finished")
+    pd.testing.assert_frame_equal(kvpool.summary_table(free), kvpool.summary_table(real))
+    columns = ["step", "rid", "kind", "position", "slot", "target", "owner"]
+    pd.testing.assert_frame_equal(free.kv_syncs[columns], real.kv_syncs[columns])
+    pd.testing.assert_frame_equal(free.kv_pool.drop(columns="max_abs_diff"),
+                                  real.kv_pool.drop(columns="max_abs_diff"))
+
+
+def test_a_release_without_its_sync_fails_a_model_free_run(run_cached):
+    """The MLX worker that frees a finished request's row without the runner's release
+    sync (SGLang before #30147's fix) passed every clause on the model-free runner, exit
+    0: its runner kept no pool. A later radix hit now reads slots nothing wrote."""
+    frames = run_cached("two-turn", "mlx", "fix-chained-accounting+user_patches:"
+                        "mlx_release_skips_the_sync")
+    report = check(frames)
+    assert report.kv_damaged and not report.ok
+    assert (frames.kv_pool.verdict == "zero").any()
+    assert not check(run_cached("two-turn", "mlx", "fix-chained-accounting")).kv_damaged

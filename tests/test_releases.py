@@ -14,6 +14,7 @@ import pytest
 import contract_lib
 from contract_lib import cache, kvpool, versions
 from contract_lib.cli import main
+from contract_lib.contract import check
 from contract_lib.pool import child_env
 from contract_lib.status import releases_status
 from contract_lib.tiny_model import reference_outputs
@@ -90,7 +91,7 @@ def test_model_free_run_on_an_older_release(run_cached, version):
     frames = run_cached("two-turn", "mlx", sglang=version)
     assert frames.status == "finished", frames.error
     assert frames.meta["sglang_version"] == version
-    compat = {"backport-stub-logical-max-total-num-tokens", "model-free-flush-all-decode-kv"}
+    compat = {"backport-stub-logical-max-total-num-tokens"}
     applied = compat & set(frames.meta["shims"])
     assert applied == (compat if version == "0.5.21" else set())
     # The scheduler's bookkeeping is the same as on 0.5.23: same tokens, same slots.
@@ -134,6 +135,27 @@ def test_0_5_21_shipped_the_wrong_output(run_cached):
                                       obj=name)
 
 
+MLX_FIXES = ("fix-chained-accounting+fix-idle-predicate+fix-processed-tokens-counter"
+             "+fix-backend-state")
+
+
+def test_0_5_21s_removal_sync_damages_the_pool_on_the_model_free_runner_too(run_cached):
+    """0.5.21's ``remove_request`` syncs a request's decode KV unclamped: with every MLX
+    fix on, memory-pressure retracts ``d``, and its removal writes position 8 into a slot
+    ``c`` now holds. The model-free runner runs 0.5.21's own sync, so its pool shows what
+    the real runner's does; status shows the KV pool row once a run damaged it."""
+    frames = run_cached("memory-pressure", "mlx", MLX_FIXES, sglang="0.5.21")
+    real = run_cached("memory-pressure", "mlx", MLX_FIXES, sglang="0.5.21", runner="real")
+    writes = frames.kv_syncs[frames.kv_syncs.target == "other live request"]
+    assert writes[["rid", "kind", "owner"]].values.tolist() == [["d", "remove", "c"]]
+    pd.testing.assert_frame_equal(kvpool.summary_table(frames), kvpool.summary_table(real))
+    assert "the MLX KV pool was damaged" in check(frames).verdict().line()
+    table = releases_status(["0.5.21"], workloads=["memory-pressure"], loops=("mlx",),
+                            patch=MLX_FIXES, progress=False).statuses[0].table()
+    assert table.loc["- KV pool (model-free runner's contents)", "mlx"] == "damaged (1/1)"
+    assert not kvpool.damaged(run_cached("memory-pressure", "mlx", MLX_FIXES))
+
+
 @pytest.mark.parametrize("version", ["0.5.22", "0.5.23"])
 def test_the_clamped_releases_do_not_damage_the_pool(run_cached, version):
     frames = run_cached("two-turn", "mlx", sglang=version, runner="real")
@@ -155,8 +177,13 @@ def test_clause_tables_of_three_releases_side_by_side():
     result = releases_status(list(RELEASES), workloads=["two-turn"], progress=False)
     table = result.table()
     assert list(table.columns) == list(RELEASES)
-    # Measured: the scheduler's bookkeeping, hence every clause, is the same on all three.
-    assert (table.nunique(axis=1) == 1).all(), table
+    # Measured: the scheduler's bookkeeping, hence every clause, is the same on all three;
+    # 0.5.21's unclamped sync damages the MLX pool (the model-free runner's contents).
+    kv = table.loc["- KV pool (model-free runner's contents)"]
+    assert kv.loc["mlx"].tolist() == ["damaged (1/1)", "intact (1/1)", "intact (1/1)"]
+    assert kv.loc["normal"].tolist() == ["-"] * 3
+    clauses = table.drop(index="- KV pool (model-free runner's contents)", level="clause")
+    assert (clauses.nunique(axis=1) == 1).all(), table
     assert table.loc[("1 slots recorded", "mlx"), "0.5.21"] == "violated (1/1)"
     assert table.loc[("1 slots recorded", "normal"), "0.5.23"] == "holds (1/1)"
     assert result.reference_violations().empty

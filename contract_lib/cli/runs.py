@@ -48,15 +48,16 @@ def cmd_check(args) -> int:
 
         for note in model_free_notes(args.diff):
             print(note)
-    kv_damaged = False
-    if frames.meta.get("runner") == "real" and frames.status == "finished":
+    real = frames.meta.get("runner") == "real"
+    # The real runner's pool always; the model-free runner's contents when damaged.
+    if (real and frames.status == "finished") or report.kv_damaged:
         from contract_lib import kvpool
 
-        kv_damaged = kvpool.damaged(frames)
+        runner = "real MlxModelRunner" if real else "model-free MlxModelRunner's contents"
         print()
-        print(f"KV pool (real MlxModelRunner): {'DAMAGED' if kv_damaged else 'intact'}")
+        print(f"KV pool ({runner}): {'DAMAGED' if report.kv_damaged else 'intact'}")
         print(kvpool.pool_table(frames))
-    return report.verdict(kv_damaged).code
+    return report.verdict().code
 
 
 def cmd_trace(args) -> int:

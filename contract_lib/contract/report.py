@@ -64,7 +64,7 @@ class Report:
     # Per request, its first token that is not the fake model's (:mod:`.outputs`).
     wrong_outputs: pd.DataFrame = dataclasses.field(
         default_factory=lambda: pd.DataFrame(columns=OUTPUT_COLUMNS))
-    # A finished run of SGLang's real MLX runner damaged the KV pool (:mod:`contract_lib.kvpool`).
+    # A finished MLX run damaged the KV pool, either runner's (:mod:`contract_lib.kvpool`).
     kv_damaged: bool = False
 
     @property
@@ -270,9 +270,10 @@ def check(frames: Frames, clauses: str = "all") -> Report:
 
 
 def _kv_damaged(frames: Frames) -> bool:
-    """A finished run of SGLang's real MLX runner damaged the KV pool (the command line
-    reads the same, and its pass needs an intact pool: so does :attr:`Report.ok`)."""
-    if frames.meta.get("runner") != "real" or frames.status != "finished":
+    """A finished MLX run damaged the KV pool: the real runner's, or the model-free
+    runner's contents (the command line reads the same, and its pass needs an intact
+    pool: so does :attr:`Report.ok`)."""
+    if frames.status != "finished":
         return False
     from contract_lib import kvpool
 

@@ -31,7 +31,7 @@ The capture hooks in :mod:`contract_lib.capture` only observe (they call through
 
 from contract_lib.shims.ingress import ScriptedReceiver, abort_request, tokenized_request
 from contract_lib.shims.mlx_runner import (ModelFreeMlxRunner, install_mlx_model_free_runner,
-                                           install_mlx_real_runner, install_model_free_flush)
+                                           install_mlx_real_runner)
 from contract_lib.shims.model import (VOCAB_SIZE, install_token_script, next_token,
                                       scripted_token)
 from contract_lib.shims.omni import (install_omni_model_free_runner,
@@ -48,7 +48,7 @@ __all__ = [
     "ModelFreeMlxRunner", "ScriptedReceiver", "VOCAB_SIZE", "abort_request",
     "bookkeeping_runner",
     "install_import_shims", "install_mlx_model_free_runner", "install_mlx_real_runner",
-    "install_mlx_runtime_gate_shim", "install_model_free_flush",
+    "install_mlx_runtime_gate_shim",
     "install_omni_model_free_runner", "install_omni_model_free_worker",
     "install_omni_platform", "install_omni_unpinned_staging",
     "install_token_script", "install_torch_model_free_forward", "model_free_result",

@@ -10,16 +10,94 @@ from contract_lib.shims.model import next_token, scripted_token
 from contract_lib.shims.platform import on_apple_silicon_with_mlx
 
 
+def kv_content(fold: int, token: int) -> int:
+    """The model-free stand-in for one position's KV: a digest of the token fed there and
+    of everything the model attended to before it (``fold``, :class:`_ModelFreeCache`).
+    Two positions hold the same content only when fed the same tokens after the same
+    contents, as two real KV entries agree only then. Python hashes ints the same in
+    every process."""
+    return hash((fold, token))
+
+
+_UNWRITTEN = object()
+
+
+class ModelFreeKvPool:
+    """The model-free stand-in for ``MlxAttentionKVPool``: per slot, the content last
+    written there (:func:`kv_content`); a slot never written holds none."""
+
+    def __init__(self) -> None:
+        # slot -> its content, or (cache, position) for one written before its fed token
+        # was known
+        self.contents: dict[int, Any] = {}
+
+    def clear(self) -> None:
+        self.contents.clear()
+
+    def verdicts(self, tokens: list[int], slots: list[int]) -> list[str]:
+        """Per slot of ``slots`` (the radix tree's for ``tokens``, in position order): ``ok``
+        (the content a correct run computes for ``tokens`` there), ``zero`` (never
+        written) or ``wrong``."""
+        expected = reference_contents(tokens[:len(slots)])
+        found = []
+        for position, slot in enumerate(slots):
+            content = self.contents.get(slot, _UNWRITTEN)
+            if isinstance(content, tuple):  # written before its token was known
+                cache, at = content
+                known = cache.upto(at + 1)
+                content = known[at] if at < len(known) else None
+            found.append("zero" if content is _UNWRITTEN
+                         else "ok" if content == expected[position] else "wrong")
+        return found
+
+
 class _ModelFreeCache:
-    """Per-request stand-in for the MLX contiguous KV cache: only its ``offset``.
+    """Per-request stand-in for the MLX contiguous KV cache: its ``offset`` and the
+    contents of the positions it holds.
 
     As in the real ``MLXAttentionWrapper.write_token``, the offset advances when a step's
-    graph is *built*, not when it is evaluated.
+    graph is *built*, not when it is evaluated. A decode position's content is known
+    once its fed token is (the runner's token list, after the previous step's finalize),
+    so ``contents`` may lag ``offset``; :meth:`upto` fills it.
     """
 
     def __init__(self, offset: int, prompt_len: int) -> None:
         self.offset = offset
         self.prompt_len = prompt_len  # where the request's output starts (the script)
+        self.contents: list[int | None] = []
+        self.fold = 0  # the digest of ``contents``
+        # The runner's token list of the request (from its first finalize): a decode
+        # position is fed the token the list holds there.
+        self.tokens: list[int] | None = None
+
+    def upto(self, end: int) -> list[int | None]:
+        """``contents``, filled through position ``end`` - 1 where the fed tokens are
+        known."""
+        tokens = self.tokens or ()
+        while len(self.contents) < min(end, len(tokens)):
+            self.feed([tokens[len(self.contents)]])
+        return self.contents
+
+    def feed(self, tokens) -> None:
+        """Append the contents of positions fed ``tokens``, after those held."""
+        for token in tokens:
+            self.contents.append(kv_content(self.fold, int(token)))
+            self.fold = hash((self.fold, self.contents[-1]))
+
+    def gathered(self, contents: list[int | None]) -> None:
+        """Start from a prefix read off the pool (``None``: a slot never written)."""
+        for content in contents:
+            self.contents.append(content)
+            self.fold = hash((self.fold, content))
+
+
+def reference_contents(tokens: list[int]) -> list[int]:
+    """The contents a correct run leaves for ``tokens`` (a request's prompt and output),
+    position by position: what :func:`contract_lib.tiny_model.reference_kv` is to the
+    real runner."""
+    cache = _ModelFreeCache(0, len(tokens))
+    cache.feed(tokens)
+    return cache.contents
 
 
 class ModelFreeMlxRunner:
@@ -40,7 +118,10 @@ class ModelFreeMlxRunner:
         self._req_token_ids: dict[str, list[int]] = {}
         self._req_pool_idx: dict[str, int] = {}
         self._req_synced_offset: dict[str, int] = {}
+        self._req_sampling: dict[str, Any] = {}  # read by SGLang's remove_request
         self._req_to_token_pool = None
+        # As the real runner: a pool only where the radix cache can read one back.
+        self._attention_kv_pool = None if disable_radix_cache else ModelFreeKvPool()
 
     @property
     def pool_size(self) -> int:
@@ -65,21 +146,30 @@ class ModelFreeMlxRunner:
     def has_request(self, req_id: str) -> bool:
         return req_id in self._req_caches
 
-    def remove_request(self, req_id: str) -> None:
-        for table in (self._req_token_ids, self._req_caches, self._req_pool_idx,
-                      self._req_synced_offset):
-            table.pop(req_id, None)
+    @staticmethod
+    def _first_attention_cache(cache: list[_ModelFreeCache]) -> _ModelFreeCache:
+        return cache[0]
+
+    @staticmethod
+    def _release_cache(cache: list[_ModelFreeCache]) -> None:
+        """Nothing to give back (the real runner recycles its cache buffers)."""
+
+    def _sync_new_kv_to_pool(self, cache: list[_ModelFreeCache], cache_start: int,
+                             slot_ids: list[int]) -> None:
+        """As the real runner: copy the cache's positions from ``cache_start`` into the
+        pool slots ``slot_ids``. A position whose fed token is not known yet (a chained
+        decode still in flight) is written as a reference to it, read at the run's end."""
+        if not slot_ids or self._attention_kv_pool is None:
+            return
+        first = self._first_attention_cache(cache)
+        contents = first.upto(cache_start + len(slot_ids))
+        written = self._attention_kv_pool.contents
+        for position, slot in enumerate(slot_ids, cache_start):
+            written[int(slot)] = (contents[position] if position < len(contents)
+                                  else (first, position))
 
     def store_auxiliary_state_for_request(self, req_id: str) -> None:
         """No auxiliary (SSM) state in a model-free run."""
-
-    def release_request_row(self, req_id: str, owned_len: int) -> None:
-        """As the real runner: the sync would read up to ``owned_len``; forget the row."""
-        offset = self.cache_offset(req_id) or 0
-        if not self.disable_radix_cache:
-            self._req_synced_offset[req_id] = max(
-                self._req_synced_offset.get(req_id, 0), min(offset, owned_len))
-        self._req_pool_idx.pop(req_id, None)
 
     @staticmethod
     def _lazy_next(last_tokens, seq_lens: list[int], rids: list[str],
@@ -116,14 +206,22 @@ class ModelFreeMlxRunner:
                     if new_token_ids else len(full))
         token = self._lazy_next(mx.array([fed[-1]], dtype=mx.int32), [computed],
                                 [req_id], [prompt_len])[0]
+        cache = _ModelFreeCache(computed, prompt_len)
+        if self._attention_kv_pool is not None:
+            # The prefix is read off the pool; a full hit re-runs its last position.
+            prefix = list(prefix_slot_ids)[:computed - len(fed)]
+            cache.gathered([self._attention_kv_pool.contents.get(int(slot)) for slot in prefix])
+        cache.feed(fed)
+        self._sync_new_kv_to_pool([cache], len(prefix_slot_ids), list(new_slot_ids))
         return MlxPendingPrefill(
-            lazy_token=token, cache=[_ModelFreeCache(computed, prompt_len)], req_id=req_id,
+            lazy_token=token, cache=[cache], req_id=req_id,
             full_token_ids=full, req_pool_idx=req_pool_idx,
             synced_offset=len(prefix_slot_ids) + len(new_slot_ids))
 
     def prefill_finalize(self, pending) -> int:
         token = int(pending.lazy_token.item())
         self._req_token_ids[pending.req_id] = list(pending.full_token_ids) + [token]
+        pending.cache[0].tokens = self._req_token_ids[pending.req_id]
         self._req_caches[pending.req_id] = pending.cache
         self._req_pool_idx[pending.req_id] = pending.req_pool_idx
         self._req_synced_offset[pending.req_id] = pending.synced_offset
@@ -135,11 +233,14 @@ class ModelFreeMlxRunner:
         from sglang.srt.hardware_backend.mlx.model_runner import MlxPendingExtend
 
         cache = self._req_caches[req_id]
+        cache[0].upto(cache[0].offset)
         cache[0].offset += len(new_token_ids)
+        cache[0].feed(new_token_ids)
         token = self._lazy_next(mx.array([new_token_ids[-1]], dtype=mx.int32),
                                 [cache[0].offset], [req_id], [cache[0].prompt_len])[0]
         synced = self._req_synced_offset.get(req_id, 0)
         if not self.disable_radix_cache and new_slot_ids:
+            self._sync_new_kv_to_pool(cache, synced, list(new_slot_ids))
             synced += len(new_slot_ids)
         return MlxPendingExtend(lazy_token=token, cache=cache, req_id=req_id,
                                 new_token_ids=list(new_token_ids), new_synced_offset=synced)
@@ -210,8 +311,17 @@ def install_mlx_real_runner() -> list[str]:
     return ["mlx-metal-only-flags-off"]
 
 
+# The real runner's request bookkeeping the model-free one runs as SGLang ships it: when
+# decode KV reaches the pool (release, flush, removal) and up to where. A release that
+# changes them, or a patch of them, is then what the model-free runner does too.
+BORROWED = ("_sync_decode_kv_to_pool", "release_request_row", "remove_request",
+            "flush_all_decode_kv")
+
+
 def install_mlx_model_free_runner() -> None:
-    """MLX loop: ``MlxTpModelWorker`` builds :class:`ModelFreeMlxRunner` as its runner.
+    """MLX loop: ``MlxTpModelWorker`` builds :class:`ModelFreeMlxRunner` as its runner,
+    which takes the installed ``MlxModelRunner``'s :data:`BORROWED` methods (those this
+    release has).
 
     Why: ``MlxTpModelWorker._init_model_runner`` does ``from ...model_runner import
     MlxModelRunner`` at call time, so replacing the module attribute is enough; the
@@ -219,24 +329,9 @@ def install_mlx_model_free_runner() -> None:
     """
     from sglang.srt.hardware_backend.mlx import model_runner
 
+    real = model_runner.MlxModelRunner
+    if real is not ModelFreeMlxRunner:
+        for name in BORROWED:
+            if (function := getattr(real, name, None)) is not None:
+                setattr(ModelFreeMlxRunner, name, function)
     model_runner.MlxModelRunner = ModelFreeMlxRunner
-
-
-
-def _model_free_flush_all_decode_kv(self) -> None:
-    """The model-free runner's ``flush_all_decode_kv``: there is no KV pool to write, so
-    only the runner's synced offsets advance (to the cache offset, as 0.5.21's unclamped
-    flush does)."""
-    for rid in self._req_caches:
-        self._req_synced_offset[rid] = self.cache_offset(rid)
-
-
-def install_model_free_flush() -> None:
-    """Give :class:`ModelFreeMlxRunner` the runner method ``flush_all_decode_kv``.
-
-    Why: through 0.5.21 ``MlxTpModelWorker`` calls ``_mlx_runner.flush_all_decode_kv()``
-    before every extend launch (0.5.22 replaced it with ``release_request_row``); the
-    ``unclamped-sync`` patch restores that call on later releases.
-    """
-    ModelFreeMlxRunner.flush_all_decode_kv = _model_free_flush_all_decode_kv
-
