@@ -129,13 +129,13 @@ class KvPoolRecorder:
         start = max(int(end), runner._req_synced_offset.get(rid, 0))
         if offset <= start:
             return
-        rtt = self.s.req_to_token_pool.req_to_token
+        rtt = self._req_to_token()
         slots = [int(s) for s in rtt[row, start:offset].tolist()]
         self._record(rid, "dropped", start, slots)
 
     def _live_holders(self, rid: str) -> dict[int, tuple[str, int, int]]:
         """slot -> (request, position, cache_protected_len) over the other live requests."""
-        rtt = self.s.req_to_token_pool.req_to_token
+        rtt = self._req_to_token()
         holders: dict[int, tuple[str, int, int]] = {}
         for other, req in self.recorder.reqs.items():
             kv = req.kv
@@ -147,11 +147,14 @@ class KvPoolRecorder:
                     holders.setdefault(int(slot), (other, position, kv.cache_protected_len))
         return holders
 
+    def _req_to_token(self):
+        """``req_to_token`` as numpy (the recorder's view: sliced without torch)."""
+        return self.recorder.req_to_token_view.of(self.s.req_to_token_pool.req_to_token)
+
     def _record(self, rid: str | None, kind: str, start: int, slots: list[int]) -> None:
         req = self.recorder.reqs.get(rid)
         row = None if req is None else req.kv.req_pool_idx
-        own = ([] if row is None else
-               self.s.req_to_token_pool.req_to_token[row, start:start + len(slots)].tolist())
+        own = [] if row is None else self._req_to_token()[row, start:start + len(slots)].tolist()
         # The other live requests' slots and the allocator's free ones, read at the first
         # slot that is not the writer's own (most writes have none).
         holders: dict[int, tuple[str, int, int]] | None = None
@@ -176,10 +179,9 @@ class KvPoolRecorder:
                     target = "free"
                 else:
                     target = "cached"
-            rows.append(("kv_syncs", {
-                "step": self.recorder.step, "rid": rid, "kind": kind, "position": position,
-                "slot": slot, "target": target, "owner": owner,
-            }))
+            # a tuple in the table's column order (``frames.COLUMNS``)
+            rows.append(("kv_syncs", (self.recorder.step, rid, kind, position, slot, target,
+                                      owner)))
         self.emit(("rows", rows, []))
 
     # -- contents at the end ----------------------------------------------------------------
