@@ -13,7 +13,9 @@ upstream bug of one release that stops a run from starting):
    become a deterministic next-token function (:mod:`.model`). The MLX replacement
    returns SGLang's real ``MlxPendingPrefill/Extend/Decode`` holding *lazy*
    ``mlx.core`` arrays, so ``mx.async_eval``, chaining on still-lazy tokens and the
-   blocking ``.tolist()`` are real. With ``runner="real"`` the MLX loop keeps SGLang's
+   blocking ``.tolist()`` are real; its syncs into the KV pool (a pool of contents: per
+   slot, a digest of the tokens the KV was computed from) run SGLang's own runner
+   methods. With ``runner="real"`` the MLX loop keeps SGLang's
    own ``MlxModelRunner`` (a tiny random-weight mlx-lm model, its patched attention and
    its ``MlxAttentionKVPool``) on MLX's CPU backend; only two Metal-only opt-in flags are
    forced off (:func:`install_mlx_real_runner`).

@@ -104,10 +104,12 @@ class ModelFreeMlxRunner:
     """Replaces ``hardware_backend.mlx.model_runner.MlxModelRunner`` on the MLX loop.
 
     Why: the real runner loads an mlx-lm model. This one keeps the runner's own request
-    bookkeeping (token lists, cache offsets, row mapping, synced offsets) and computes
-    :func:`next_token` as a *lazy* ``mlx.core`` graph; a chained decode builds on the
-    previous step's still-lazy tokens, exactly as ``decode_batch_start_chained`` does.
-    It exposes the surface ``MlxTpModelWorker`` calls; the worker itself is SGLang's.
+    bookkeeping (token lists, cache offsets, row mapping, synced offsets) and a pool of
+    contents (:class:`ModelFreeKvPool`), and computes :func:`next_token` as a *lazy*
+    ``mlx.core`` graph; a chained decode builds on the previous step's still-lazy tokens,
+    exactly as ``decode_batch_start_chained`` does. It exposes the surface
+    ``MlxTpModelWorker`` calls; the worker itself is SGLang's, and so are the runner's
+    methods that move decode KV into the pool (:data:`BORROWED`).
     """
 
     def __init__(self, *, pool_size: int | None = None, disable_radix_cache: bool = False,
@@ -233,7 +235,7 @@ class ModelFreeMlxRunner:
         from sglang.srt.hardware_backend.mlx.model_runner import MlxPendingExtend
 
         cache = self._req_caches[req_id]
-        cache[0].upto(cache[0].offset)
+        cache[0].upto(cache[0].offset)  # the chunk's contents go after every held position
         cache[0].offset += len(new_token_ids)
         cache[0].feed(new_token_ids)
         token = self._lazy_next(mx.array([new_token_ids[-1]], dtype=mx.int32),
