@@ -27,9 +27,7 @@ class ModelFreeKvPool:
     written there (:func:`kv_content`); a slot never written holds none."""
 
     def __init__(self) -> None:
-        # slot -> its content, or (cache, position) for one written before its fed token
-        # was known
-        self.contents: dict[int, Any] = {}
+        self.contents: dict[int, int | None] = {}  # slot -> its content
 
     def clear(self) -> None:
         self.contents.clear()
@@ -42,10 +40,6 @@ class ModelFreeKvPool:
         found = []
         for position, slot in enumerate(slots):
             content = self.contents.get(slot, _UNWRITTEN)
-            if isinstance(content, tuple):  # written before its token was known
-                cache, at = content
-                known = cache.upto(at + 1)
-                content = known[at] if at < len(known) else None
             found.append("zero" if content is _UNWRITTEN
                          else "ok" if content == expected[position] else "wrong")
         return found
@@ -159,16 +153,21 @@ class ModelFreeMlxRunner:
     def _sync_new_kv_to_pool(self, cache: list[_ModelFreeCache], cache_start: int,
                              slot_ids: list[int]) -> None:
         """As the real runner: copy the cache's positions from ``cache_start`` into the
-        pool slots ``slot_ids``. A position whose fed token is not known yet (a chained
-        decode still in flight) is written as a reference to it, read at the run's end."""
+        pool slots ``slot_ids``. Refused (the run crashes, no verdict) for a position whose
+        fed token is not known yet: two chained decodes in flight past the finalized
+        tokens, which no release's sync was seen to reach (checked on unclamped syncs)."""
         if not slot_ids or self._attention_kv_pool is None:
             return
-        first = self._first_attention_cache(cache)
-        contents = first.upto(cache_start + len(slot_ids))
+        end = cache_start + len(slot_ids)
+        contents = self._first_attention_cache(cache).upto(end)
+        if len(contents) < end:
+            raise RuntimeError(
+                f"the model-free MLX runner was asked to sync positions {len(contents)}.."
+                f"{end - 1} into the KV pool before their fed tokens were known; it cannot "
+                "compute their contents (run with --runner real)")
         written = self._attention_kv_pool.contents
         for position, slot in enumerate(slot_ids, cache_start):
-            written[int(slot)] = (contents[position] if position < len(contents)
-                                  else (first, position))
+            written[int(slot)] = contents[position]
 
     def store_auxiliary_state_for_request(self, req_id: str) -> None:
         """No auxiliary (SSM) state in a model-free run."""
