@@ -30,6 +30,7 @@ import selectors
 import signal
 import socket
 import sys
+import tempfile
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -273,6 +274,7 @@ class WarmServer:
             os.chdir(context["cwd"])
             os.environ.clear()
             os.environ.update(context["env"])
+            tempfile.tempdir = None  # the run's TMPDIR (its own folder), not the server's
             sys.path[:] = context["path"]
             child_run(spec, Connection(write_fd, readable=False), journal_fd)
         finally:

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -292,6 +293,24 @@ def test_a_warm_run_imports_a_patch_from_the_requesters_path(servers, tmp_path, 
                               cache=False)
     assert "the late patch ran" in frames.error["message"]
     assert pool.statuses(servers)[0]["runs_served"] == 2
+
+
+# -- what a run leaves behind -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("switch", ["on", "off"])
+def test_a_run_leaves_nothing_in_the_temporary_folder(servers, monkeypatch, tmp_path, switch):
+    """SGLang's ``PortArgs.init_new`` takes five IPC names with
+    ``NamedTemporaryFile(delete=False)`` per Scheduler and never removes them (154,000
+    such files had piled up in this machine's /tmp): a run's child gets a temporary
+    folder of its own, removed with the run, warm (forked) or cold."""
+    monkeypatch.setenv(pool.SERVER_SWITCH_ENV, switch)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))  # the server's and a cold child's
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # this process's
+    assert contract_lib.run("single-decode", "normal", cache=False).status == "finished"
+    assert sorted(path.name for path in scratch.iterdir()) == []
 
 
 # -- import cost ------------------------------------------------------------------------------
