@@ -2,7 +2,7 @@
 depends on (SGLang, torch, mlx, mlx-lm, transformers), read once per process and search
 path and revalidated by stat (the frame cache's key and the warm server's fingerprint
 use it on every run; reading package metadata costs ~10 ms); and the ``SGL*``
-environment SGLang reads."""
+environment SGLang reads; and a source tree's ``.py`` files with their stats."""
 
 from __future__ import annotations
 
@@ -11,6 +11,31 @@ from importlib import metadata
 from pathlib import Path
 
 STAMPED = ("sglang", "torch", "mlx", "mlx-lm", "transformers")
+
+
+def python_files(root: Path) -> list[tuple[str, os.stat_result]]:
+    """Every ``.py`` file under ``root`` (path relative to it, and its ``stat``), in
+    ``sorted(root.rglob("*.py"))`` order and with its choices (symlinked folders are not
+    entered, an unreadable folder is skipped), in about a third of its time: one
+    ``scandir`` per folder instead of pathlib's per-entry objects (SGLang's 4,700 files:
+    ~70 against ~230 ms on a slow sitting of a 2-core machine; a cache key and a warm
+    server's fingerprint walk them once per process)."""
+    found: list[tuple[list[str], str, os.stat_result]] = []
+    folders = [(str(root), [])]
+    while folders:
+        folder, parts = folders.pop()
+        try:
+            with os.scandir(folder) as entries:
+                listed = list(entries)
+        except PermissionError:
+            continue
+        for entry in listed:
+            if entry.name.endswith(".py"):
+                found.append(([*parts, entry.name], entry.path, entry.stat()))
+            if entry.is_dir() and not entry.is_symlink():
+                folders.append((entry.path, [*parts, entry.name]))
+    found.sort(key=lambda item: item[0])  # as Paths sort: part by part
+    return [("/".join(parts), stat) for parts, _, stat in found]
 
 
 # (sglang_dir, sys.path) -> (stamp, the files and directories it depends on, their mtimes)

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from contract_lib.installs import python_files
 from contract_lib.loops import spec as loop_spec
 from contract_lib.paths import PROJECT_ROOT
 from contract_lib.versions import install_target
@@ -65,10 +66,8 @@ def install_stamp(folder: Path) -> str:
     """A digest of every source file's path, size and mtime under ``folder``: part of
     an ``omni`` run's cache key, so an edited or reinstalled sglang-omni is a new key."""
     digest = hashlib.sha256()
-    for path in sorted(folder.rglob("*.py")):
-        stat = path.stat()
-        digest.update(f"{path.relative_to(folder)}:{stat.st_size}:{stat.st_mtime_ns}\n"
-                      .encode())
+    for relative, stat in python_files(folder):
+        digest.update(f"{relative}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
     return digest.hexdigest()[:16]
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from contract_lib.atomic import atomic_write
+from contract_lib.installs import python_files
 from contract_lib.paths import PROJECT_ROOT
 from contract_lib.versions import SUPPORTED_SGLANG_VERSIONS, UnsupportedSGLangError
 
@@ -179,13 +180,12 @@ def tree_digest(root: Path) -> str:
         except (OSError, ValueError):
             known = {}
         current, changed = {}, False
-        for path in sorted(package.rglob("*.py")):
-            relative = str(path.relative_to(root))
-            stat = path.stat()
+        for inside, stat in python_files(package):
+            relative = f"sglang/{inside}"
             stamp = [stat.st_size, stat.st_mtime_ns]
             entry = known.get(relative)
             if not (isinstance(entry, list) and entry[:2] == stamp):
-                entry = stamp + [hashlib.sha256(path.read_bytes()).hexdigest()]
+                entry = stamp + [hashlib.sha256((package / inside).read_bytes()).hexdigest()]
                 changed = True
             current[relative] = entry
         if changed or current.keys() != known.keys():
