@@ -21,7 +21,7 @@ from contract_lib import journal, loops
 from contract_lib.paths import MODEL_DIR
 from contract_lib.protocol import (END, LoopMismatch, RunSetupError, Unsupported,
                                    error_record)
-from contract_lib.serverargs import accepted_kinds, problems
+from contract_lib.serverargs import accepted_kinds, problems, user_server_args
 from contract_lib.workloads import Workload
 
 # The server args every run starts from (a CPU, model-free, deterministic scheduler);
@@ -49,11 +49,6 @@ def die_with_parent(parent_pid: int) -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:
         os._exit(1)
-
-
-def user_server_args(spec: dict[str, Any]) -> dict[str, Any]:
-    """The server args the workload and the caller set (the base ones are known good)."""
-    return {**spec["workload"]["server_args"], **spec["server_args"]}
 
 
 def _child_entry() -> None:

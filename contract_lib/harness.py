@@ -35,13 +35,12 @@ from typing import Any
 
 from contract_lib import cache as frame_cache
 from contract_lib import journal, loops
-from contract_lib.child import user_server_args
 from contract_lib.frames import Frames, run_title
 from contract_lib.paths import MODEL_DIR
 from contract_lib.patches import PatchArg, patch_spec
 from contract_lib.pool import POOL, ServerUnavailable, child_env
 from contract_lib.protocol import RunSetupError, collect, frames_of, interrupted_error
-from contract_lib.serverargs import problems
+from contract_lib.serverargs import problems, user_server_args
 from contract_lib.sources import Source, is_path
 from contract_lib.sources import resolve as resolve_sglang
 from contract_lib.versions import require_supported_sglang

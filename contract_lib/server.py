@@ -43,6 +43,7 @@ def preload() -> None:
     per-loop shims and patches are applied in each forked child, never in the server."""
     from contract_lib import shims
 
+    shims.import_all()
     shims.install_import_shims()
     import sglang.srt.hardware_backend.mlx.model_runner  # noqa: F401
     import sglang.srt.hardware_backend.mlx.model_runner_stub  # noqa: F401

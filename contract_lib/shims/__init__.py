@@ -31,30 +31,53 @@ The same three, and nothing else, for sglang-omni's ``OmniScheduler`` (loop ``om
 The capture hooks in :mod:`contract_lib.capture` only observe (they call through).
 """
 
-from contract_lib.shims.ingress import ScriptedReceiver, abort_request, tokenized_request
-from contract_lib.shims.mlx_runner import (ModelFreeMlxRunner, install_mlx_model_free_runner,
-                                           install_mlx_real_runner)
-from contract_lib.shims.model import (VOCAB_SIZE, install_token_script, next_token,
-                                      scripted_token)
-from contract_lib.shims.omni import (install_omni_model_free_runner,
-                                     install_omni_model_free_worker, install_omni_platform,
-                                     install_omni_unpinned_staging, omni_request_builder,
-                                     omni_request_message, omni_result_adapter)
-from contract_lib.shims.platform import (install_import_shims, install_mlx_runtime_gate_shim,
-                                         on_apple_silicon_with_mlx, scheduler_class_for)
-from contract_lib.shims.torch_forward import (bookkeeping_runner,
-                                              install_torch_model_free_forward,
-                                              model_free_result, model_free_tokens)
+import importlib
 
-__all__ = [
-    "ModelFreeMlxRunner", "ScriptedReceiver", "VOCAB_SIZE", "abort_request",
-    "bookkeeping_runner",
-    "install_import_shims", "install_mlx_model_free_runner", "install_mlx_real_runner",
-    "install_mlx_runtime_gate_shim",
-    "install_omni_model_free_runner", "install_omni_model_free_worker",
-    "install_omni_platform", "install_omni_unpinned_staging",
-    "install_token_script", "install_torch_model_free_forward", "model_free_result",
-    "model_free_tokens", "next_token", "omni_request_builder", "omni_request_message", "omni_result_adapter",
-    "on_apple_silicon_with_mlx", "scheduler_class_for", "scripted_token",
-    "tokenized_request",
-]
+# Each name's module, imported on first use (PEP 562): the parent process imports only
+# ``model`` (the outputs check's next-token function); the platform gates (which import
+# ``unittest.mock`` and asyncio), the runners and omni's shims load in the run's process.
+_MODULE_OF = {
+    "ScriptedReceiver": "ingress",
+    "abort_request": "ingress",
+    "tokenized_request": "ingress",
+    "ModelFreeMlxRunner": "mlx_runner",
+    "install_mlx_model_free_runner": "mlx_runner",
+    "install_mlx_real_runner": "mlx_runner",
+    "VOCAB_SIZE": "model",
+    "install_token_script": "model",
+    "next_token": "model",
+    "scripted_token": "model",
+    "install_omni_model_free_runner": "omni",
+    "install_omni_model_free_worker": "omni",
+    "install_omni_platform": "omni",
+    "install_omni_unpinned_staging": "omni",
+    "omni_request_builder": "omni",
+    "omni_request_message": "omni",
+    "omni_result_adapter": "omni",
+    "install_import_shims": "platform",
+    "install_mlx_runtime_gate_shim": "platform",
+    "on_apple_silicon_with_mlx": "platform",
+    "scheduler_class_for": "platform",
+    "bookkeeping_runner": "torch_forward",
+    "install_torch_model_free_forward": "torch_forward",
+    "model_free_result": "torch_forward",
+    "model_free_tokens": "torch_forward",
+}
+
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def import_all() -> None:
+    """Import every shim module now (the warm server does, so forked runs find them)."""
+    for module in sorted(set(_MODULE_OF.values())):
+        importlib.import_module(f"{__name__}.{module}")
+
+
+__all__ = sorted(_MODULE_OF)
