@@ -20,7 +20,7 @@ def python_files(root: Path) -> list[tuple[str, os.stat_result]]:
     ``scandir`` per folder instead of pathlib's per-entry objects (SGLang's 4,700 files:
     ~70 against ~230 ms on a slow sitting of a 2-core machine; a cache key and a warm
     server's fingerprint walk them once per process)."""
-    found: list[tuple[list[str], str, os.stat_result]] = []
+    found: list[tuple[list[str], os.stat_result]] = []
     folders = [(str(root), [])]
     while folders:
         folder, parts = folders.pop()
@@ -31,11 +31,11 @@ def python_files(root: Path) -> list[tuple[str, os.stat_result]]:
             continue
         for entry in listed:
             if entry.name.endswith(".py"):
-                found.append(([*parts, entry.name], entry.path, entry.stat()))
+                found.append(([*parts, entry.name], entry.stat()))
             if entry.is_dir() and not entry.is_symlink():
                 folders.append((entry.path, [*parts, entry.name]))
     found.sort(key=lambda item: item[0])  # as Paths sort: part by part
-    return [("/".join(parts), stat) for parts, _, stat in found]
+    return [("/".join(parts), stat) for parts, stat in found]
 
 
 # (sglang_dir, sys.path) -> (stamp, the files and directories it depends on, their mtimes)

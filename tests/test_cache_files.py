@@ -147,6 +147,24 @@ def test_a_helper_shadowed_on_the_path_runs_again(private_cache, tmp_path, monke
 
 
 @pytest.mark.fast
+def test_source_files_are_listed_as_sorted_rglob_lists_them(tmp_path):
+    """The cache key's walk of a source tree (``installs.python_files``) gives
+    ``sorted(rglob("*.py"))``'s files, order and stats: names that sort differently as
+    strings and as path parts, a folder named like a module, a symlinked folder (not
+    entered) and a symlinked file (listed), non-Python files."""
+    for name in ("a/b.py", "a-x.py", "a_x.py", "a/c/d.py", "a/c/notes.txt", "pkg.py/e.py",
+                 "z.py", "A.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x = 1\n")
+    (tmp_path / "link").symlink_to(tmp_path / "a", target_is_directory=True)
+    (tmp_path / "alias.py").symlink_to(tmp_path / "z.py")
+    expected = [(str(path.relative_to(tmp_path)), path.stat())
+                for path in sorted(tmp_path.rglob("*.py"))]
+    assert installs.python_files(tmp_path) == expected
+    assert [name for name, _ in expected][:3] == ["A.py", "a/b.py", "a/c/d.py"]
+
+
+@pytest.mark.fast
 def test_a_module_beside_a_source_trees_sglang_is_a_users(tmp_path, monkeypatch):
     """The SGLang the run imported is installed code; a helper module beside its package
     (a source tree's ``python/``, which the tree digest does not cover) is the user's."""
