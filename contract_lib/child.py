@@ -5,6 +5,7 @@ frames to the parent (:mod:`contract_lib.protocol`) and report the run's end.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import pickle
@@ -234,6 +235,7 @@ def _build(spec: dict[str, Any], loop_spec: loops.LoopSpec, emit,
         built = time.perf_counter()
         scheduler = scheduler_class(server_args, port_args)
         timing["build_s"] = time.perf_counter() - built
+        _remove_ipc_names(port_args)
         scheduler.request_receiver = shims.ScriptedReceiver()
         applied.append("scripted-ingress")
     _check_page_size(scheduler, loop_spec.name, triton="triton-standin" not in applied)
@@ -346,6 +348,20 @@ def _check_overlap_arg(loop_spec: loops.LoopSpec, server_args, args: dict[str, A
         f"--loop {loop} needs disable_overlap_schedule={wanted}, but "
         f"{culprit or 'the server args'} make(s) it {actual}: SGLang would run {entered} "
         f"instead of {loop_spec.function}; remove that argument or choose that loop")
+
+
+def _remove_ipc_names(port_args) -> None:
+    """Remove the files behind the Scheduler's ``ipc://`` names once it is built.
+    SGLang's ``PortArgs.init_new`` takes each name with ``NamedTemporaryFile(delete=False)``
+    and never removes it, so every run left five empty files in ``$TMPDIR`` (154,000 had
+    piled up in this machine's /tmp). Its sockets are bound and connected by then, and no
+    peer ever connects by name (the ingress is scripted, the outputs go nowhere), so the
+    loop runs as before; removed here, in the run's process, they are gone even if the
+    run or its requester is killed later."""
+    for value in vars(port_args).values():
+        if isinstance(value, str) and value.startswith("ipc://"):
+            with contextlib.suppress(OSError):
+                os.unlink(value.removeprefix("ipc://"))
 
 
 def _record_loop_entry(scheduler, loop_spec: loops.LoopSpec, emit) -> None:

@@ -272,11 +272,8 @@ def _execute(spec: dict[str, Any], meta: dict[str, Any], hang_timeout: float,
     child, a hang, Ctrl-C, ``cancel``, an error here), the child is dead on return (a
     warm run that sent its end is let go as it exits; its server kills and reaps it); the
     log is an unnamed temporary file and the journal unnamed shared memory, so nothing
-    is left behind even if this process is killed; the child's temporary files go in a
-    folder of its own, removed once it is dead (:func:`contract_lib.pool.child_env`)."""
+    is left behind even if this process is killed."""
     with (tempfile.TemporaryFile(prefix="contract_lib-", suffix=".log") as log,
-          tempfile.TemporaryDirectory(prefix="contract_lib-run-",
-                                      ignore_cleanup_errors=True) as scratch,
           journal.created() as journal_fd,
           contextlib.closing(journal.Reader(journal_fd)) as stored):
         read_fd, write_fd = os.pipe()
@@ -285,7 +282,7 @@ def _execute(spec: dict[str, Any], meta: dict[str, Any], hang_timeout: float,
         try:
             try:
                 child = _start(spec, write_fd, log.fileno(), journal_fd, warm, sglang_dir,
-                               cancel, scratch)
+                               cancel)
             finally:
                 os.close(write_fd)
             return collect(receiver, stored, child, meta, hang_timeout, log.fileno(),
@@ -302,7 +299,7 @@ def _execute(spec: dict[str, Any], meta: dict[str, Any], hang_timeout: float,
 
 
 def _start(spec: dict[str, Any], write_fd: int, log_fd: int, journal_fd: int, warm: bool,
-           sglang_dir: Path | None, cancel: threading.Event | None, scratch: str):
+           sglang_dir: Path | None, cancel: threading.Event | None):
     """The run's child: forked by the warm server of the run's SGLang folder
     (:mod:`contract_lib.pool`; started on first use), else a cold interpreter (``warm``
     false, servers switched off, or no server could be used: one warning). Warm: the
@@ -313,7 +310,7 @@ def _start(spec: dict[str, Any], write_fd: int, log_fd: int, journal_fd: int, wa
             found = problems(user_server_args(spec), server.server_arg_kinds(cancel))
             if found:
                 raise RunSetupError("; ".join(found))
-            return server.start_run(spec, write_fd, log_fd, journal_fd, cancel, scratch)
+            return server.start_run(spec, write_fd, log_fd, journal_fd, cancel)
         except (ServerUnavailable, EOFError, OSError) as exc:  # go cold
             POOL.unavailable(exc)
     child = subprocess.Popen(
@@ -321,7 +318,7 @@ def _start(spec: dict[str, Any], write_fd: int, log_fd: int, journal_fd: int, wa
          "from contract_lib.child import _child_entry; _child_entry()",
          str(write_fd), str(os.getpid()), str(journal_fd)],
         stdin=subprocess.PIPE, stdout=log_fd, stderr=log_fd, pass_fds=(write_fd, journal_fd),
-        env=child_env(sglang_dir, scratch), start_new_session=True)
+        env=child_env(sglang_dir), start_new_session=True)
     try:
         child.stdin.write(pickle.dumps(spec))
         child.stdin.close()

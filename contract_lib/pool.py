@@ -59,20 +59,14 @@ def _warn(message: str) -> None:
         warnings.warn_explicit(message, ServerWarning, filename=__name__, lineno=0)
 
 
-def child_env(sglang_dir=None, scratch: str | None = None) -> dict[str, str]:
+def child_env(sglang_dir=None) -> dict[str, str]:
     """The environment of a run's process (cold child or warm server): this process's
     ``sys.path`` as ``PYTHONPATH``, with the SGLang release folder first when given, and
     a fixed ``PYTHONHASHSEED``: SGLang iterates sets of request ids (e.g. 0.5.21's
     ``_cleanup_stale_rids`` removes stale requests, syncing their KV, in set order), so
-    without it two processes could order the same writes differently. ``scratch``: the
-    run's own temporary folder, as ``TMPDIR`` (removed with the run: SGLang's
-    ``PortArgs.init_new`` leaves five empty files in it per Scheduler, its IPC names
-    taken with ``NamedTemporaryFile(delete=False)``)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(_child_path(sglang_dir)),
-           "PYTHONHASHSEED": "0"}
-    if scratch is not None:
-        env["TMPDIR"] = scratch
-    return env
+    without it two processes could order the same writes differently."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(_child_path(sglang_dir)),
+            "PYTHONHASHSEED": "0"}
 
 
 def _child_path(sglang_dir) -> list[str]:
@@ -165,10 +159,9 @@ class Server:
         return self.arg_kinds
 
     def start_run(self, spec: dict, write_fd: int, log_fd: int, journal_fd: int,
-                  cancel: threading.Event | None = None,
-                  scratch: str | None = None) -> "WarmChild":
+                  cancel: threading.Event | None = None) -> "WarmChild":
         context = {"cwd": os.getcwd(), "path": _child_path(self.sglang_dir),
-                   "env": child_env(self.sglang_dir, scratch)}
+                   "env": child_env(self.sglang_dir)}
         sock, (kind, pid) = self.open(("run", spec, context),
                                       [write_fd, log_fd, journal_fd], cancel)
         assert kind == "pid", kind

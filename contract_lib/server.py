@@ -275,7 +275,7 @@ class WarmServer:
             os.chdir(context["cwd"])
             os.environ.clear()
             os.environ.update(context["env"])
-            tempfile.tempdir = None  # the run's TMPDIR (its own folder), not the server's
+            tempfile.tempdir = None  # the requester's TMPDIR, not the one the server cached
             sys.path[:] = context["path"]
             child_run(spec, Connection(write_fd, readable=False), journal_fd)
         finally:

@@ -302,8 +302,8 @@ def test_a_warm_run_imports_a_patch_from_the_requesters_path(servers, tmp_path, 
 def test_a_run_leaves_nothing_in_the_temporary_folder(servers, monkeypatch, tmp_path, switch):
     """SGLang's ``PortArgs.init_new`` takes five IPC names with
     ``NamedTemporaryFile(delete=False)`` per Scheduler and never removes them (154,000
-    such files had piled up in this machine's /tmp): a run's child gets a temporary
-    folder of its own, removed with the run, warm (forked) or cold."""
+    such files had piled up in this machine's /tmp): the run removes them once its
+    Scheduler is built, warm (forked: it follows the requester's ``TMPDIR``) or cold."""
     monkeypatch.setenv(pool.SERVER_SWITCH_ENV, switch)
     scratch = tmp_path / "tmp"
     scratch.mkdir()
