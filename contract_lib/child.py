@@ -233,9 +233,11 @@ def _build(spec: dict[str, Any], loop_spec: loops.LoopSpec, emit,
         if scheduler_class.__name__ != "Scheduler":
             applied.append("mlx-overlap-mixin")
         built = time.perf_counter()
-        scheduler = scheduler_class(server_args, port_args)
+        try:
+            scheduler = scheduler_class(server_args, port_args)
+        finally:
+            _remove_ipc_names(port_args)  # built, or failed in its build
         timing["build_s"] = time.perf_counter() - built
-        _remove_ipc_names(port_args)
         scheduler.request_receiver = shims.ScriptedReceiver()
         applied.append("scripted-ingress")
     _check_page_size(scheduler, loop_spec.name, triton="triton-standin" not in applied)
@@ -351,9 +353,9 @@ def _check_overlap_arg(loop_spec: loops.LoopSpec, server_args, args: dict[str, A
 
 
 def _remove_ipc_names(port_args) -> None:
-    """Remove the files behind the Scheduler's ``ipc://`` names once it is built.
-    SGLang's ``PortArgs.init_new`` takes each name with ``NamedTemporaryFile(delete=False)``
-    and never removes it, so every run left five empty files in ``$TMPDIR`` (154,000 had
+    """Remove the files behind the Scheduler's ``ipc://`` names, once it is built or its
+    build failed: SGLang's ``PortArgs.init_new`` takes each name with
+    ``NamedTemporaryFile(delete=False)`` and never removes it, so every run left five empty files in ``$TMPDIR`` (154,000 had
     piled up in this machine's /tmp). Its sockets are bound and connected by then, and no
     peer ever connects by name (the ingress is scripted, the outputs go nowhere), so the
     loop runs as before; removed here, in the run's process, they are gone even if the

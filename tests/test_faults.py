@@ -137,7 +137,7 @@ def cli(tmp_path):
 
 
 def _logs_left(directory: Path) -> list[str]:
-    """Our run logs left in ``directory`` (a run stopped inside its Scheduler's build may
+    """Our run logs left in ``directory`` (a run killed inside its Scheduler's build may
     also leave SGLang's IPC name files there: the run removes them once built)."""
     return [p.name for p in directory.glob("contract_lib-*")]
 

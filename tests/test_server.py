@@ -298,18 +298,44 @@ def test_a_warm_run_imports_a_patch_from_the_requesters_path(servers, tmp_path, 
 # -- what a run leaves behind -------------------------------------------------------------------
 
 
+_FAILING_BUILD = """def apply():
+    from sglang.srt.managers.scheduler import Scheduler
+    built = Scheduler.__init__
+
+    def __init__(self, *args, **kwargs):
+        built(self, *args, **kwargs)  # its sockets are bound, then the build fails
+        raise RuntimeError("the build failed")
+
+    Scheduler.__init__ = __init__
+"""
+
+
+@pytest.mark.parametrize("build", ["built", "failed"])
 @pytest.mark.parametrize("switch", ["on", "off"])
-def test_a_run_leaves_nothing_in_the_temporary_folder(servers, monkeypatch, tmp_path, switch):
+def test_a_run_leaves_nothing_in_the_temporary_folder(servers, monkeypatch, tmp_path, switch,
+                                                       build):
     """SGLang's ``PortArgs.init_new`` takes five IPC names with
     ``NamedTemporaryFile(delete=False)`` per Scheduler and never removes them (154,000
     such files had piled up in this machine's /tmp): the run removes them once its
-    Scheduler is built, warm (forked: it follows the requester's ``TMPDIR``) or cold."""
+    Scheduler is built or its build failed, warm (forked: it follows the requester's
+    ``TMPDIR``) or cold."""
     monkeypatch.setenv(pool.SERVER_SWITCH_ENV, switch)
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     monkeypatch.setenv("TMPDIR", str(scratch))  # the server's and a cold child's
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # this process's
-    assert contract_lib.run("single-decode", "normal", cache=False).status == "finished"
+    patch = None
+    if build == "failed":
+        folder = tmp_path / "patches"
+        folder.mkdir()
+        (folder / "failing_build.py").write_text(_FAILING_BUILD)
+        monkeypatch.syspath_prepend(str(folder))
+        patch = "failing_build:apply"
+    frames = contract_lib.run("single-decode", "normal", patch=patch, cache=False)
+    if build == "failed":
+        assert "the build failed" in frames.error["message"]
+    else:
+        assert frames.status == "finished"
     assert sorted(path.name for path in scratch.iterdir()) == []
 
 
