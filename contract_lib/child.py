@@ -356,9 +356,9 @@ def _remove_ipc_names(port_args) -> None:
     """Remove the files behind the Scheduler's ``ipc://`` names, once it is built or its
     build failed: SGLang's ``PortArgs.init_new`` takes each name with
     ``NamedTemporaryFile(delete=False)`` and never removes it, so every run left five
-    empty files in ``$TMPDIR`` (154,000 had piled up in this machine's /tmp). Its sockets are bound and connected by then, and no
-    peer ever connects by name (the ingress is scripted, the outputs go nowhere), so the
-    loop runs as before; removed here, in the run's process, they are gone even if the
+    empty files in ``$TMPDIR`` (154,000 had piled up in this machine's /tmp). Its
+    sockets are bound and connected by then, and no peer ever connects by name (the
+    ingress is scripted, the outputs go nowhere), so the loop runs as before; removed here, in the run's process, they are gone even if the
     run or its requester is killed later."""
     for value in vars(port_args).values():
         if isinstance(value, str) and value.startswith("ipc://"):
