@@ -358,8 +358,9 @@ def _remove_ipc_names(port_args) -> None:
     ``NamedTemporaryFile(delete=False)`` and never removes it, so every run left five
     empty files in ``$TMPDIR`` (154,000 had piled up in this machine's /tmp). Its
     sockets are bound and connected by then, and no peer ever connects by name (the
-    ingress is scripted, the outputs go nowhere), so the loop runs as before; removed here, in the run's process, they are gone even if the
-    run or its requester is killed later."""
+    ingress is scripted, the outputs go nowhere), so the loop runs as before; removed
+    here, in the run's process, they are gone even if the run or its requester is
+    killed later."""
     for value in vars(port_args).values():
         if isinstance(value, str) and value.startswith("ipc://"):
             with contextlib.suppress(OSError):
