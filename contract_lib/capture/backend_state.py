@@ -14,6 +14,7 @@ DEPTH = 2
 # Values whose attributes are code or a namespace, not state the backend keeps.
 _NOT_STATE = (types.FunctionType, types.MethodType, types.BuiltinFunctionType,
               types.ModuleType, type)
+_NONE_HELD: frozenset = frozenset()  # a structure's keys before any request, when it had none
 
 
 @functools.lru_cache(maxsize=None)
@@ -143,20 +144,27 @@ class BackendStateRecorder:
             return []
         values = tuple(map(dict.get, layout.sources, layout.names))
         rows = []
+        per_request, preexisting = self.per_request, self.preexisting
         # Only the structures holding keys (the others are looked at again next step).
         for index in itertools.compress(range(len(values)), values):
             value = values[index]
-            if not _is_container(type(value)):  # rebound on a held object
+            if isinstance(value, dict):
+                held = value.keys()
+            elif isinstance(value, (set, frozenset)):
+                held = value
+            else:  # rebound on a held object
                 continue
             structure = layout.structures[index]
-            before = self.preexisting.get(structure, frozenset())
-            if structure not in self.per_request:
-                held = value.keys() if isinstance(value, dict) else value
-                if held.isdisjoint(reqs) or all(  # in C: no known request id among its keys
-                        rid in before for rid in reqs if rid in held):
+            if structure not in per_request:
+                if held.isdisjoint(reqs):  # in C: no known request id among its keys
                     continue
-                self.per_request.add(structure)
-            keys = [k for k in value if isinstance(k, str) and k not in before]
+                before = preexisting.get(structure, _NONE_HELD)
+                if all(rid in before for rid in reqs if rid in held):
+                    continue
+                per_request.add(structure)
+            else:
+                before = preexisting.get(structure, _NONE_HELD)
+            keys = [k for k in held if isinstance(k, str) and k not in before]
             maps_row = isinstance(value, dict) and "pool_idx" in layout.names[index]
             for key in sorted(keys):
                 row = value[key] if maps_row else None

@@ -195,7 +195,7 @@ class HookInstaller:
                 and all(getattr(part, "ndim", None) == 1  # integer tensors, not masks
                         and getattr(part.dtype, "is_signed", False)
                         and not part.dtype.is_floating_point for part in indices)
-                and len(indices[0]) == len(indices[1]) <= _FEW):
+                and indices[0].shape[0] == indices[1].shape[0] <= _FEW):
             # (rows, positions) of a few lanes, the decode path's form: entry by entry
             # (~2 µs for four; a tensor's ``numpy()`` alone costs more)
             holders, written_by = self._row_holders(), self.written_by

@@ -3,7 +3,8 @@ result is processed, and the FutureMap's relay reads and writes."""
 
 from __future__ import annotations
 
-from contract_lib.capture.batches import mode_name, prefill_lanes, prefilled_tokens, tolist
+from contract_lib.capture.batches import (length, mode_name, prefill_lanes, prefilled_tokens,
+                                          tolist)
 
 
 class LaunchRecording:
@@ -56,11 +57,11 @@ class LaunchRecording:
         prefill lanes; none when they are not the first lanes (a shape not read)."""
         ids, prefills = batch.input_ids, len(lanes)
         decodes = len(rids) - prefills
-        if (decodes <= 0 or ids is None or not hasattr(ids, "tolist") or len(ids) < decodes
-                or lanes != list(range(prefills))):
+        if (decodes <= 0 or ids is None or not hasattr(ids, "tolist")
+                or length(ids) < decodes or lanes != list(range(prefills))):
             return []
         kind, launch = ("mixed" if prefills else "decode"), self.launch_ct + 1
-        values = ids[len(ids) - decodes:].tolist()
+        values = ids[length(ids) - decodes:].tolist()
         taken = []
         for req, rid, value in zip(batch.reqs[prefills:], rids[prefills:], values):
             latest = self.latest_token.get(rid)
@@ -164,8 +165,8 @@ class LaunchRecording:
         A reader that fed nothing is read through the rows it should have gathered."""
         rows, kind, rids = lanes
         fed = batch.input_ids
-        if fed is not None and hasattr(fed, "tolist") and len(fed) >= len(rows):
-            values = fed[len(fed) - len(rows):].tolist() if rows else []
+        if fed is not None and hasattr(fed, "tolist") and length(fed) >= len(rows):
+            values = fed[length(fed) - len(rows):].tolist() if rows else []
         else:  # numpy indexes a few rows in ~1 µs (torch ~15 µs from a list)
             values = (self.relay_view.of(future_map.output_tokens_buf)[rows].tolist()
                       if rows else [])
