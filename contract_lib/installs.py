@@ -86,9 +86,10 @@ def _read_install_stamp(sglang_dir: Path | None) -> tuple[tuple, list[str]]:
                 stamp.append((dist, None, str(sglang_dir), None))
             continue
         try:
-            record = metadata.distribution(dist).locate_file(
-                f"{dist.replace('-', '_')}-{metadata.version(dist)}.dist-info/RECORD")
-            stamp.append((dist, metadata.version(dist), os.stat(record).st_mtime_ns))
+            found = metadata.distribution(dist)
+            version = found.version  # parses its METADATA: read once
+            record = found.locate_file(f"{dist.replace('-', '_')}-{version}.dist-info/RECORD")
+            stamp.append((dist, version, os.stat(record).st_mtime_ns))
             records.append(str(record))
         except (metadata.PackageNotFoundError, OSError):
             stamp.append((dist, None, None))

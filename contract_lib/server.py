@@ -63,7 +63,7 @@ def preload() -> None:
         with contextlib.suppress(ImportError):  # a release without it
             importlib.import_module(name)
 
-    import contract_lib.capture  # noqa: F401
+    import contract_lib.capture.recorder  # noqa: F401  (every hook module)
     import contract_lib.child  # noqa: F401
     from contract_lib.cache import remember_loaded_modules
 

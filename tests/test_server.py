@@ -352,3 +352,22 @@ def test_importing_the_package_loads_no_heavy_library():
     done = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True,
                           text=True, check=True)
     assert done.stdout.split("\n")[:2] == ["[]", "True"], done.stdout
+
+
+@pytest.mark.fast
+def test_checking_recorded_frames_loads_none_of_the_hooks():
+    """A process that reads and checks frames (a command, a notebook kernel) imports
+    none of the hooks, nor the platform gates they pull in (``unittest.mock``, asyncio):
+    they load in a run's process. An MLX run's check reads its KV pool verdict, whose
+    module needs the capture's free-slot mask alone."""
+    fixture = PROJECT_ROOT / "tests" / "fixtures" / "memory-pressure.mlx.json"
+    code = ("import sys\n"
+            "from contract_lib import Frames\n"
+            "from contract_lib.contract import check\n"
+            f"check(Frames.load({str(fixture)!r}))\n"
+            "print(sorted(m for m in sys.modules if m.startswith('contract_lib.capture.') "
+            "or m in ('unittest.mock', 'asyncio', 'contract_lib.kvpool')))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True,
+                          text=True, check=True)
+    assert done.stdout.split() == ["['contract_lib.capture.batches',", "'contract_lib.kvpool']"], (
+        done.stdout)

@@ -41,10 +41,26 @@ Modules: :mod:`.recorder` (state, the step boundary, feed and stop), built from
 :mod:`.evictions` (the allocator's evictions); :mod:`.batches` (helpers reading SGLang's batches and allocator).
 """
 
-from contract_lib.capture.backend_state import BackendStateRecorder
-from contract_lib.capture.batches import free_slot_mask
-from contract_lib.capture.recorder import (OmniRequestError, Recorder, StepBudgetExceeded,
-                                           StopRun)
+import importlib
 
-__all__ = ["BackendStateRecorder", "OmniRequestError", "Recorder", "StepBudgetExceeded",
-           "StopRun", "free_slot_mask"]
+# Each name's module, imported on first use (PEP 562): the process that asked for a run
+# reads frames, and its one use of this package (``kvpool``'s free-slot mask) needs
+# numpy, not the hooks and the shims they pull in (``unittest.mock``, asyncio).
+_MODULE_OF = {
+    "BackendStateRecorder": "backend_state",
+    "free_slot_mask": "batches",
+    "OmniRequestError": "recorder",
+    "Recorder": "recorder",
+    "StepBudgetExceeded": "recorder",
+    "StopRun": "recorder",
+}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
