@@ -122,10 +122,11 @@ def child_run(spec: dict[str, Any], conn: Connection, journal_fd: int) -> None:
     try:
         scheduler, recorder, kv_recorder = _build(spec, loop_spec, emit, timing)
         # The build's objects join the permanent generation, as the server's imports did
-        # before the fork: the loop's collections then walk what the loop made, not the
-        # Scheduler's objects (a generation-1 collection over them took 2-3 ms of a
-        # 30-80 ms loop). Nothing is collected here: the run's process is short-lived,
-        # its build's cyclic garbage goes with it.
+        # before the fork and as SGLang's own ``freeze_gc`` request does to a serving
+        # Scheduler: the loop's collections then walk what the loop made, not the
+        # Scheduler's objects (a collection over them took 1-3 ms of a 30-80 ms loop,
+        # in whichever run crossed the threshold first: the capture's, or its baseline).
+        # Nothing is collected here: the process is short-lived, its garbage goes with it.
         gc.freeze()
         phase = "loop"
         loop_started, loop_cpu = time.perf_counter(), time.process_time()
