@@ -41,7 +41,7 @@ Modules: :mod:`.recorder` (state, the step boundary, feed and stop), built from
 :mod:`.evictions` (the allocator's evictions); :mod:`.batches` (helpers reading SGLang's batches and allocator).
 """
 
-import importlib
+from contract_lib.lazy import lazy_getattr
 
 # Each name's module, imported on first use (PEP 562): the process that asked for a run
 # reads frames, and its one use of this package (``kvpool``'s free-slot mask) needs
@@ -55,12 +55,4 @@ _MODULE_OF = {
     "StopRun": "recorder",
 }
 __all__ = sorted(_MODULE_OF)
-
-
-def __getattr__(name: str):
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _MODULE_OF, globals())

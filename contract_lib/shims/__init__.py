@@ -33,6 +33,8 @@ The capture hooks in :mod:`contract_lib.capture` only observe (they call through
 
 import importlib
 
+from contract_lib.lazy import lazy_getattr
+
 # Each name's module, imported on first use (PEP 562): the parent process imports only
 # ``model`` (the outputs check's next-token function); the platform gates (which import
 # ``unittest.mock`` and asyncio), the runners and omni's shims load in the run's process.
@@ -63,15 +65,7 @@ _MODULE_OF = {
     "model_free_result": "torch_forward",
     "model_free_tokens": "torch_forward",
 }
-
-
-def __getattr__(name: str):
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _MODULE_OF, globals())
 
 
 def import_all() -> None:
