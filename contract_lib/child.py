@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import json
 import os
 import pickle
 import signal
@@ -54,11 +55,11 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def _child_entry() -> None:
-    """Entry point of a cold child process: the run spec arrives pickled on stdin,
-    messages go back on the pipe whose fd is ``argv[1]`` and the journal whose fd is
-    ``argv[3]``; stdout and stderr go to the run's log."""
+    """Entry point of a cold child process: the run spec arrives as JSON on stdin (as a
+    warm server receives it), messages go back on the pipe whose fd is ``argv[1]`` and
+    the journal whose fd is ``argv[3]``; stdout and stderr go to the run's log."""
     die_with_parent(int(sys.argv[2]))
-    spec = pickle.loads(sys.stdin.buffer.read())
+    spec = json.loads(sys.stdin.buffer.read())
     child_run(spec, Connection(int(sys.argv[1]), readable=False), int(sys.argv[3]))
     os._exit(0)  # skip SGLang's atexit teardown; everything was sent
 

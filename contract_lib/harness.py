@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import pickle
 import subprocess
 import sys
 import tempfile
@@ -44,7 +43,7 @@ from contract_lib.serverargs import problems, user_server_args
 from contract_lib.sources import Source, is_path
 from contract_lib.sources import resolve as resolve_sglang
 from contract_lib.versions import require_supported_sglang
-from contract_lib.workloads import Workload, load_workload
+from contract_lib.workloads import Workload, load_workload, require_seconds
 
 # The registered loops (:mod:`contract_lib.loops`), and those ``status`` and ``audit``
 # run by default (SGLang's own); kept as names for callers of the public API.
@@ -88,7 +87,7 @@ def run(
     *,
     patch: PatchArg = None,
     server_args: dict[str, Any] | None = None,
-    hang_timeout: float = DEFAULT_HANG_TIMEOUT_S,
+    hang_timeout: float | None = None,
     cache: bool = True,
     warm: bool = True,
     capture: bool = True,
@@ -106,6 +105,9 @@ def run(
     The returned frames carry ``status`` (``finished``, ``crashed``, ``timeout``, ``died``)
     and, unless finished, ``error``.
 
+    ``hang_timeout``: seconds without a message from the run's child before it is
+    stopped as hung (status ``timeout``); None: the workload's ``max_seconds``, else
+    :data:`DEFAULT_HANG_TIMEOUT_S`.
     ``cache``: serve and store finished runs from the frame cache (:mod:`contract_lib.cache`).
     ``warm``: fork the run from a warm server that has SGLang imported
     (:mod:`contract_lib.pool`) instead of starting a cold interpreter; same frames.
@@ -151,6 +153,9 @@ def run(
     if not isinstance(workload, Workload):
         workload = load_workload(workload)
     workload.validate(f"workload {workload.name!r}")
+    if hang_timeout is not None:
+        hang_timeout = require_seconds(hang_timeout, "the hang limit (max seconds)")
+    hang_timeout = hang_timeout or workload.max_seconds or DEFAULT_HANG_TIMEOUT_S
     model_dir = _model_dir(runner)
     workload.check_vocabulary(_vocab_size(model_dir), f"workload {workload.name!r}")
     spec = {
@@ -320,7 +325,7 @@ def _start(spec: dict[str, Any], write_fd: int, log_fd: int, journal_fd: int, wa
         stdin=subprocess.PIPE, stdout=log_fd, stderr=log_fd, pass_fds=(write_fd, journal_fd),
         env=child_env(sglang_dir), start_new_session=True)
     try:
-        child.stdin.write(pickle.dumps(spec))
+        child.stdin.write(json.dumps(spec).encode())
         child.stdin.close()
     except BaseException:
         child.kill()

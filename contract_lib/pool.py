@@ -8,6 +8,11 @@ from it. Every run is still its own process, forked per run, with its own Schedu
 Where servers live and what they are called: :mod:`contract_lib.serverdir`; what client
 and server say: :mod:`contract_lib.serverwire`.
 
+Trust: a socket is used only if it is this user's, and a connection only once the
+kernel says (``SO_PEERCRED``) the process serving it runs as this user; nothing is read
+from it before. ``server stop`` signals only the verified peer (by pidfd, Linux), never
+a pid a reply names.
+
 Staleness: each run request carries the client's fingerprint of the SGLang files and
 this library's source (:func:`contract_lib.cache.code_fingerprint`); a server started
 from other files answers ``stale`` and the client retires it (it exits once its runs
@@ -27,6 +32,7 @@ import hashlib
 import json
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -38,7 +44,9 @@ from pathlib import Path
 from contract_lib.serverdir import (  # noqa: F401  (IDLE_ENV, SERVER_*_ENV: re-exported)
     IDLE_ENV, SERVER_DIR_ENV, SERVER_SWITCH_ENV, ServerUnavailable, enabled, idle_seconds,
     locked, private_dir, server_dir, server_key)
-from contract_lib.serverwire import recv, send
+from contract_lib.serverwire import WireError, recv, send
+from contract_lib.trust import (UntrustedError, check_owned, open_owned, peer_credentials,
+                                 require_same_user)
 
 START_TIMEOUT_S = 180.0  # importing SGLang takes 5-6 s; under load much longer
 # Seconds between checks of a cancel event while waiting for a server's reply.
@@ -104,28 +112,41 @@ class Server:
     # connections
 
     def connect(self) -> socket.socket | None:
-        """A connection to the running server, or None when none listens."""
+        """A connection to the running server, or None when none listens. Raises
+        :class:`ServerUnavailable` for a socket file or a server that is not this
+        user's (checked before a byte is read)."""
+        try:
+            check_owned(os.lstat(self.socket_path), self.socket_path, "warm server socket")
+        except FileNotFoundError:
+            return None
+        except UntrustedError as exc:
+            raise ServerUnavailable(f"{exc}; refused") from exc
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(str(self.socket_path))
+            require_same_user(sock, f"the warm server socket {self.socket_path}")
         except (FileNotFoundError, ConnectionRefusedError):
             sock.close()
             return None
+        except UntrustedError as exc:
+            sock.close()
+            raise ServerUnavailable(str(exc)) from exc
         except OSError as exc:  # e.g. a path too long for a UNIX socket
             sock.close()
             raise ServerUnavailable(f"cannot reach {self.socket_path} ({exc})") from exc
         return sock
 
     def ask(self, request: tuple):
-        """A request without fds to the running server; None when none listens."""
+        """A request without fds to the running server; None when none listens or it
+        does not answer in the protocol."""
         sock = self.connect()
         if sock is None:
             return None
         with sock:
             try:
                 send(sock, request)
-                return recv(sock)[0]
-            except (EOFError, OSError):
+                return recv(sock)
+            except (EOFError, OSError, WireError):
                 return None
 
     def open(self, request: tuple, fds: list[int] = (),
@@ -140,7 +161,11 @@ class Server:
                 continue
             try:
                 send(sock, (*request, fingerprint), fds)
-                reply, _ = _reply(sock, cancel)
+                reply = _reply(sock, cancel)
+            except WireError as exc:
+                sock.close()
+                raise ServerUnavailable(f"the warm server {self.socket_path} broke the "
+                                        f"protocol ({exc})") from exc
             except BaseException:
                 sock.close()
                 raise
@@ -185,7 +210,9 @@ class Server:
     def _spawn(self, fingerprint: str) -> None:
         ready_read, ready_write = os.pipe()
         try:
-            with open(self.log_path, "wb") as log:
+            log_fd = open_owned(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                                "warm server log")
+            with os.fdopen(log_fd, "wb") as log:
                 starter = subprocess.Popen(
                     [sys.executable, "-c", "from contract_lib.server import main; main()",
                      str(self.socket_path), fingerprint, str(idle_seconds()),
@@ -224,12 +251,16 @@ class Server:
         return "the venv's SGLang" if self.sglang_dir is None else str(self.sglang_dir)
 
 
-def _reply(sock: socket.socket, cancel: threading.Event | None):
-    """The server's next message; a set ``cancel`` raises KeyboardInterrupt."""
+def _reply(sock: socket.socket, cancel: threading.Event | None) -> list:
+    """The server's next message, a non-empty list; a set ``cancel`` raises
+    KeyboardInterrupt."""
     while not select.select([sock], [], [], _WAIT_STEP_S)[0]:
         if cancel is not None and cancel.is_set():
             raise KeyboardInterrupt("cancelled")
-    return recv(sock)
+    reply = recv(sock)
+    if not isinstance(reply, list) or not reply:
+        raise WireError(f"not a reply: {str(reply)[:80]!r}")
+    return reply
 
 
 class WarmChild:
@@ -274,13 +305,15 @@ class WarmChild:
         if self.returncode is None:
             self.sock.settimeout(timeout)
             try:
-                (kind, code), _ = recv(self.sock)
-                assert kind == "exit", kind
+                kind, code = recv(self.sock)
+                if kind != "exit" or not isinstance(code, int):
+                    raise WireError(f"not an exit reply: {kind!r}")
                 self.returncode = code
-            except (EOFError, OSError):  # the server is gone or does not answer
+            except (EOFError, OSError, ValueError, WireError):
+                # The server is gone or does not answer: closing the connection makes a
+                # live server kill the run, and a dead server's runs died with it
+                # (PR_SET_PDEATHSIG). No pid is signalled from here: it may be reused.
                 self.server_lost = True
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self.pid, 9)
                 self.returncode = -9
             finally:
                 self.sock.close()
@@ -360,38 +393,98 @@ def _by_socket(directory: Path, path: Path) -> Server:
 
 
 def statuses(directory: Path | None = None) -> list[dict]:
-    """The status of every server listening in ``directory`` (default: :func:`server_dir`);
-    a dead server's socket file is removed."""
+    """The status of every server listening in ``directory`` (default: :func:`server_dir`),
+    its ``pid`` the one the kernel gives for the socket's peer; a dead server's socket
+    file is removed. Raises :class:`ServerUnavailable` for a directory that is not this
+    user's private one; a socket that is not this user's is skipped with a warning."""
     directory = directory or server_dir()
-    if not directory.is_dir():
+    if not os.path.lexists(directory):
         return []
+    private_dir(directory)
     found = []
     for server in _servers(directory):
-        status = server.ask(("status",))
-        if status is None:
-            with locked(server.lock_path):
-                if server.ask(("status",)) is None:
-                    server.socket_path.unlink(missing_ok=True)
+        try:
+            status = _status_of(server)
+            if status is None:
+                with locked(server.lock_path):
+                    if server.ask(("status",)) is None:
+                        server.socket_path.unlink(missing_ok=True)
+                continue
+        except ServerUnavailable as exc:
+            _warn(str(exc))
             continue
         found.append(status)
     return found
 
 
+def _status_of(server: Server) -> dict | None:
+    """``server``'s status with the kernel's pid of its peer, or None if none answers."""
+    sock = server.connect()
+    if sock is None:
+        return None
+    with sock:
+        pid = peer_credentials(sock)[0]  # the uid was checked by connect
+        try:
+            send(sock, ("status",))
+            status = recv(sock)
+        except (EOFError, OSError, WireError):
+            return None
+    if not isinstance(status, dict):
+        return None
+    return {**status, "pid": pid}
+
+
 def stop_all(directory: Path | None = None, timeout: float = 10.0) -> list[dict]:
     """Stop every server in ``directory``: its runs are killed, it exits, its socket is
-    removed; returns the statuses of those stopped."""
+    removed; returns the statuses of those stopped. A server that does not exit within
+    ``timeout`` is killed through a pidfd opened on the verified peer while it still
+    served the connection (Linux; elsewhere it is reported and left)."""
     stopped = []
     for status in statuses(directory):
         server = _by_socket(Path(status["socket"]).parent, Path(status["socket"]))
-        server.ask(("stop",))
-        deadline = time.monotonic() + timeout
-        while _alive(status["pid"]) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if _alive(status["pid"]):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(status["pid"], 9)
-        stopped.append(status)
+        with contextlib.suppress(ServerUnavailable):
+            if _stop(server, timeout):
+                stopped.append(status)
     return stopped
+
+
+def _stop(server: Server, timeout: float) -> bool:
+    """Ask ``server`` to stop and wait for it to exit; True once it is gone."""
+    sock = server.connect()
+    if sock is None:
+        return True
+    pidfd = None
+    with sock:
+        pid = peer_credentials(sock)[0]  # the uid was checked by connect
+        if hasattr(os, "pidfd_open"):
+            with contextlib.suppress(OSError):
+                pidfd = os.pidfd_open(pid)
+        try:
+            send(sock, ("stop",))
+            # A reply proves the peer was alive after the pidfd was opened: the pidfd is
+            # the server's, not a process that reused its pid.
+            proven = recv(sock) == ["stopped"]
+        except (EOFError, OSError, WireError):
+            proven = False
+    try:
+        if pidfd is None:
+            return _wait_gone(pid, timeout)
+        if select.select([pidfd], [], [], timeout)[0]:
+            return True
+        if proven:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            return bool(select.select([pidfd], [], [], timeout)[0])
+        return False
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _alive(pid)
 
 
 def _alive(pid: int) -> bool:

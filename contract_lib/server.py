@@ -7,7 +7,9 @@ never reaches it), imports SGLang, listens on its socket (only the user can ente
 directory; the socket itself is 0600), tells the starter it is ready, and serves any
 number of clients at once from one thread (a selector over the listening socket, the
 clients' connections and a signal wake-up pipe), so every fork happens from that one
-thread.
+thread. It reads every connection without blocking and serves only peers of its own
+uid (``SO_PEERCRED``, checked at accept); a message it cannot read (not JSON, not a
+request, too long, stalled) closes that connection only, with a line in its log.
 
 Lifetime: it exits after ``idle_s`` seconds without a request or a running run, on
 ``stop`` or SIGTERM (killing its runs), or, on ``retire`` (its files went stale), once
@@ -35,7 +37,9 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from contract_lib.serverwire import recv, send
+from contract_lib.serverwire import (MESSAGE_TIMEOUT_S, Incoming, WireError, close_fds,
+                                     send)
+from contract_lib.trust import peer_credentials
 
 
 def preload() -> None:
@@ -88,7 +92,8 @@ def main() -> None:
 
 class WarmServer:
     def __init__(self, socket_path: Path, fingerprint: str, idle_s: float,
-                 sglang_dir: str | None, identity: dict | None) -> None:
+                 sglang_dir: str | None, identity: dict | None,
+                 message_timeout: float = MESSAGE_TIMEOUT_S) -> None:
         from importlib import metadata
 
         self.socket_path = socket_path
@@ -106,6 +111,9 @@ class WarmServer:
         self.selector = selectors.DefaultSelector()
         self.listener: socket.socket | None = None
         self.socket_inode: int | None = None
+        self.incoming: dict[socket.socket, Incoming] = {}  # each client's pending bytes
+        self.log_fd = -1  # the server's log (its starter's output file), for refusals
+        self.message_timeout = message_timeout  # seconds a client may take to send one
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -137,34 +145,51 @@ class WarmServer:
         self._signals()
         os.write(ready_fd, f"ready {os.getpid()}\n".encode())
         os.close(ready_fd)
-        with contextlib.suppress(OSError):  # nothing is printed after start-up
+        with contextlib.suppress(OSError):  # nothing but refusals is written after start-up
+            self.log_fd = os.dup(2)
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 1)
             os.dup2(devnull, 2)
         while True:
+            timeout = None
             if not self.runs:
                 if self.retiring:
                     self._exit()
                 idle_left = self.idle_s - (time.monotonic() - self.last_active)
                 if idle_left <= 0:
                     self._exit()
-            timeout = None if self.runs else max(idle_left, 0.0)
+                timeout = max(idle_left, 0.0)
+            if any(reader.started is not None for reader in self.incoming.values()):
+                timeout = 1.0 if timeout is None else min(timeout, 1.0)  # stalled clients
             for key, _ in self.selector.select(timeout):
                 if key.data == "accept":
                     self._accept()
                 elif key.data == "signal":
                     self._on_signals()
                 else:
-                    self._on_message(key.fileobj)
+                    self._on_readable(key.fileobj)
+            self._drop_stalled()
 
     # -- events ---------------------------------------------------------------------------
+
+    def _log(self, line: str) -> None:
+        with contextlib.suppress(OSError):
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            os.write(self.log_fd, f"{stamp} contract_lib server {os.getpid()}: {line}\n"
+                     .encode(errors="replace"))
 
     def _accept(self) -> None:
         try:
             conn, _ = self.listener.accept()
         except OSError:
             return
-        conn.settimeout(10.0)  # a client sends each message whole
+        pid, uid = peer_credentials(conn)
+        if uid != os.getuid():
+            self._log(f"refused a connection from uid {uid} (pid {pid}): not this user")
+            conn.close()
+            return
+        conn.setblocking(False)
+        self.incoming[conn] = Incoming()
         self.selector.register(conn, selectors.EVENT_READ, "client")
 
     def _on_signals(self) -> None:
@@ -190,65 +215,101 @@ class WarmServer:
                 continue
             code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
             with contextlib.suppress(OSError):
-                send(conn, ("exit", code))
+                self._reply(conn, ("exit", code))
             self._close(conn)
 
     def _close(self, conn: socket.socket) -> None:
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(conn)
+        reader = self.incoming.pop(conn, None)
+        if reader is not None:
+            reader.close()
         conn.close()
 
-    def _on_message(self, conn: socket.socket) -> None:
+    def _on_readable(self, conn: socket.socket) -> None:
         self.last_active = time.monotonic()
-        try:
-            request, fds = recv(conn, with_fds=3)
-        except (EOFError, OSError):
-            self._on_hang_up(conn)
+        reader = self.incoming.get(conn)
+        if reader is None:
             return
         try:
-            self._handle(conn, request, fds)
-        except OSError:  # the client went away while we answered
+            if not reader.feed(conn):
+                self._on_hang_up(conn)
+                return
+            while (message := reader.message()) is not None:
+                request, fds = message
+                try:
+                    self._handle(conn, request, fds)
+                finally:
+                    close_fds(fds)
+        except BlockingIOError:
+            return
+        except WireError as exc:
+            self._log(f"closed a connection: {exc}")
             self._on_hang_up(conn)
-        finally:
-            for fd in fds:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+        except OSError:  # the client went away while we read or answered
+            self._on_hang_up(conn)
+
+    def _drop_stalled(self) -> None:
+        now = time.monotonic()
+        for conn, reader in list(self.incoming.items()):
+            if reader.overdue(now, self.message_timeout):
+                self._log("closed a connection: a message not finished within "
+                          f"{now - reader.started:.0f} s")
+                self._on_hang_up(conn)
 
     def _on_hang_up(self, conn: socket.socket) -> None:
-        """The requester closed its connection (it finished, was interrupted, or died):
-        its run, if still going, is killed; the exit code goes back on that
-        connection (a half-closed one still reads it)."""
+        """The requester closed its connection (it finished, was interrupted, or died),
+        or broke the protocol: its run, if still going, is killed; the exit code goes
+        back on that connection (a half-closed one still reads it)."""
         pid = next((pid for pid, c in self.runs.items() if c is conn), None)
+        if pid is None:
+            self._close(conn)
+            return
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(conn)
-        if pid is None:
-            conn.close()
-            return
+        reader = self.incoming.pop(conn, None)
+        if reader is not None:
+            reader.close()
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
-    def _handle(self, conn: socket.socket, request: tuple, fds: list[int]) -> None:
+    def _reply(self, conn: socket.socket, message) -> None:
+        """Send a (small) reply; blocking for at most a few seconds."""
+        conn.settimeout(5.0)
+        try:
+            send(conn, message)
+        finally:
+            conn.setblocking(False)
+
+    def _handle(self, conn: socket.socket, request, fds: list[int]) -> None:
+        if not (isinstance(request, list) and request and isinstance(request[0], str)):
+            raise WireError(f"not a request: {str(request)[:80]!r}")
+        if conn in self.runs.values():
+            raise WireError("a second request on a run's connection")
         kind = request[0]
         if kind == "status":
-            send(conn, self.status())
+            self._reply(conn, self.status())
         elif kind == "stop":
-            send(conn, ("stopped",))
+            self._reply(conn, ("stopped",))
             self._exit()
         elif kind == "retire":
             self._retire()
-            send(conn, ("retired",))
+            self._reply(conn, ("retired",))
         elif request[-1] != self.fingerprint or self.retiring:
-            send(conn, ("stale", self.fingerprint))
+            self._reply(conn, ("stale", self.fingerprint))
         elif kind == "server-arg-types":
-            send(conn, ("server-arg-types", self._arg_kinds()))
+            self._reply(conn, ("server-arg-types", self._arg_kinds()))
         elif kind == "run":
+            if len(request) != 4 or len(fds) != 3 or not all(
+                    isinstance(part, dict) for part in request[1:3]):
+                raise WireError("a run request needs a spec, a context and three fds")
             _, spec, context, _fingerprint = request
-            pid = self._fork(spec, context, fds)
+            pid = self._fork(spec, context, fds)  # the caller closes this side's fds
             self.runs[pid] = conn
             self.runs_served += 1
-            send(conn, ("pid", pid))
+            self._reply(conn, ("pid", pid))
         else:
-            send(conn, ("error", f"unknown request {kind!r}"))
+            self._reply(conn, ("error", f"unknown request {kind!r}"))
 
     def _arg_kinds(self) -> dict:
         if self.arg_kinds is None:
@@ -290,9 +351,11 @@ class WarmServer:
         for key in list(self.selector.get_map().values()):
             with contextlib.suppress(OSError):
                 os.close(key.fd)
-        for fd in self.wake:
+        for fd in (*self.wake, self.log_fd):
             with contextlib.suppress(OSError):
                 os.close(fd)
+        for reader in self.incoming.values():
+            reader.close()
 
     # -- status and exit ------------------------------------------------------------------
 

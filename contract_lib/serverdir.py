@@ -3,7 +3,8 @@
 Where: one UNIX socket per server in :func:`server_dir` (``$CONTRACT_LIB_SERVER_DIR``,
 else ``$XDG_RUNTIME_DIR/contract_lib``, else ``.cache/servers`` in the checkout), a
 directory only the user can enter (0700, owned by the user; anything else is refused).
-A server is named by a key of the interpreter, this library's folder, the SGLang folder
+An existing directory is never chmodded: one that others can enter (``/tmp``, say) is
+refused with one warning, and runs go cold. A server is named by a key of the interpreter, this library's folder, the SGLang folder
 first on the run's ``PYTHONPATH`` (``sglang_dir``; None: the venv's) and the ``SGLANG*``
 environment variables (read by SGLang at import), so every thread and process asking for
 the same release finds the same server. ``<key>.sock`` is the socket, ``<key>.lock``
@@ -23,12 +24,12 @@ import fcntl
 import hashlib
 import json
 import os
-import stat
 import sys
 from pathlib import Path
 
 from contract_lib.installs import sglang_environment
 from contract_lib.paths import PACKAGE_DIR, PROJECT_ROOT
+from contract_lib.trust import UntrustedError, open_owned, own_directory
 
 SERVER_DIR_ENV = "CONTRACT_LIB_SERVER_DIR"
 SERVER_SWITCH_ENV = "CONTRACT_LIB_SERVER"  # "off": cold children only
@@ -63,17 +64,14 @@ def server_dir() -> Path:
 
 def private_dir(directory: Path) -> Path:
     """``directory``, created 0700 if missing; refused (:class:`ServerUnavailable`) unless
-    it is a real directory owned by this user that no one else can enter."""
+    it is a real directory owned by this user that no one else can enter (an existing
+    one is never chmodded)."""
     try:
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        info = os.lstat(directory)
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-            raise ServerUnavailable(f"server directory {directory} is not a directory of "
-                                    "this user")
-        if info.st_mode & 0o077:
-            os.chmod(directory, 0o700)
+        own_directory(directory, 0o077, "server directory")
         if not os.access(directory, os.W_OK | os.X_OK):
             raise PermissionError(errno.EACCES, "not writable", str(directory))
+    except UntrustedError as exc:
+        raise ServerUnavailable(f"{exc}; refused") from exc
     except OSError as exc:
         raise ServerUnavailable(f"server directory {directory} cannot be used ({exc})") \
             from exc
@@ -90,6 +88,9 @@ def server_key(sglang_dir) -> str:
 @contextlib.contextmanager
 def locked(lock_path: Path):
     """Hold the exclusive lock of ``lock_path`` (a server's ``<key>.lock``)."""
-    with open(lock_path, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    fd = open_owned(lock_path, os.O_RDWR | os.O_CREAT, "server lock")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
+    finally:
+        os.close(fd)

@@ -96,12 +96,17 @@ def cmd_server(args) -> int:
     directory = pool.server_dir()
     if args.action == "start" and (failed := _start_servers(args.sglang or [None])):
         return failed
-    if args.action == "stop":
-        stopped = pool.stop_all(directory)
-        print(f"stopped {len(stopped)} warm server(s) in {directory}"
-              + "".join(f"\n  pid {s['pid']}: {s['runs_served']} runs served" for s in stopped))
-        return 0
-    found = pool.statuses(directory)
+    try:
+        if args.action == "stop":
+            stopped = pool.stop_all(directory)
+            print(f"stopped {len(stopped)} warm server(s) in {directory}"
+                  + "".join(f"\n  pid {s['pid']}: {s['runs_served']} runs served"
+                            for s in stopped))
+            return 0
+        found = pool.statuses(directory)
+    except pool.ServerUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return Outcome.USAGE
     if not found:
         print(f"no warm server running in {directory}")
     for status in found:
