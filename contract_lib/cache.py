@@ -40,16 +40,18 @@ import json
 import os
 import platform
 import re
+import stat
 import warnings
 from pathlib import Path
 from typing import Any
 
 from contract_lib.atomic import temporary_name_pattern
-from contract_lib.frames import (SCHEMA_VERSION, Frames, FramesFormatError, read_payload,
+from contract_lib.frames import (SCHEMA_VERSION, Frames, FramesFormatError, parse_payload,
                                  write_payload)
 from contract_lib.installs import install_stamp, python_files, sglang_environment
 from contract_lib.patches import PatchSpec
 from contract_lib.paths import MODEL_DIR, PACKAGE_DIR, PROJECT_ROOT
+from contract_lib.trust import UntrustedError, open_owned
 
 # In the key: the whole package's source (a new module cannot be forgotten; an edit to the
 # checker or the views re-runs too, which costs seconds) and the model-free model config.
@@ -357,12 +359,21 @@ def load(run_key: str, expected: dict[str, Any]) -> Frames | None:
     not match ``expected`` is deleted with a :class:`CacheWarning`; one whose user modules
     changed since it was stored is a plain miss (the new run replaces it)."""
     path = _entry_path(run_key)
-    if not path.exists():
+    try:  # only this user's entries are believed (the directory may be shared)
+        with open(open_owned(path, os.O_RDONLY, "frame cache entry"), encoding="utf-8",
+                  closefd=True) as handle:
+            text = handle.read()
+        payload = parse_payload(text, path)
+    except FileNotFoundError:
         return None
-    try:
-        payload = read_payload(path)
+    except UntrustedError as exc:
+        _warn(f"frame cache: ignored {exc}; running again", once=f"untrusted {path}")
+        return None
     except FramesFormatError as exc:
         _discard(path, str(exc).removeprefix(f"{path}: "))
+        return None
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8
+        _discard(path, f"unreadable: {exc}")
         return None
     meta = payload["meta"]
     problem = _mismatch(meta, run_key, expected)
@@ -427,6 +438,15 @@ def _claim(directory: Path) -> None:
                           "deletes the <sha256>.json entries in this directory\n")
 
 
+def _owned_file(path: Path) -> bool:
+    """A regular file (not a link) of this user: the only kind :func:`clear` deletes."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid()
+
+
 def clear() -> int:
     """Delete every cached run (and temporaries the cache left); returns how many runs
     there were. Deletes only the cache's own file names, and only in a directory that
@@ -440,7 +460,7 @@ def clear() -> int:
             f"{directory} is not a frame cache directory (no {MARKER} file): nothing "
             "removed; delete its <sha256>.json files yourself if they are cache entries")
     own = [path for path in directory.iterdir()
-           if _OWN_NAME.fullmatch(path.name) and path.is_file()]
+           if _OWN_NAME.fullmatch(path.name) and _owned_file(path)]
     for path in own:
         path.unlink(missing_ok=True)
     return sum(not path.name.startswith(".") for path in own)  # temporaries are not runs

@@ -23,11 +23,15 @@ from typing import Any
 
 from contract_lib.paths import PROJECT_ROOT
 from contract_lib.trees import Source, SourceError
+from contract_lib.trust import UntrustedError, own_directory, read_user_file
 
 DIFFS_DIR_ENV = "CONTRACT_LIB_DIFFS_DIR"
 # The prefix of the package's files in the upstream repository's layout.
 UPSTREAM_PACKAGE = "python/sglang/"
 GIT_TIMEOUT_S = 120
+# A diff is read only if it is a regular file of at most this many bytes (SGLang's
+# largest pull requests are a few MB).
+MAX_DIFF_BYTES = 64 << 20
 
 _BUILD_LOCK = threading.Lock()
 
@@ -64,7 +68,9 @@ def read_diff(path: str | Path) -> Diff:
     file cannot be read, holds no hunk, or changes nothing under ``python/sglang/``."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_user_file(path, "--diff", MAX_DIFF_BYTES).decode("utf-8")
+    except UntrustedError as exc:
+        raise SourceError(str(exc)) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise SourceError(f"--diff {path}: cannot read it ({exc})") from None
     hunks: dict[str, list[str]] = {}
@@ -156,9 +162,12 @@ COMPLETE = ".contract_lib-diffs"
 def _build(folder: Path, base: Source, diffs: list[Diff]) -> None:
     """Build the scratch copy in a temporary sibling and rename it into place, once;
     serialised across threads and processes by a lock file beside it."""
+    try:  # its code is imported: never a folder another user owns or can write to
+        own_directory(folder.parent, 0o022, "the diff copies' folder")
+    except UntrustedError as exc:
+        raise SourceError(f"{exc}; nothing is imported from it") from None
     if (folder / COMPLETE).is_file():
         return
-    folder.parent.mkdir(parents=True, exist_ok=True)
     with _BUILD_LOCK, open(folder.parent / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (folder / COMPLETE).is_file():

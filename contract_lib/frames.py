@@ -305,8 +305,17 @@ def read_payload(path: str | Path) -> dict[str, Any]:
     naming the file and the problem."""
     path = Path(path)
     try:
-        payload = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as exc:  # ValueError: JSON, UTF-8
+        text = path.read_text(encoding="utf-8")
+    except (OSError, ValueError) as exc:  # ValueError: UTF-8
+        raise FramesFormatError(f"{path}: not a frames file ({exc})") from exc
+    return parse_payload(text, path)
+
+
+def parse_payload(text: str, path: str | Path) -> dict[str, Any]:
+    """:func:`read_payload` of text already read (``path`` names it in errors)."""
+    try:
+        payload = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # ValueError: JSON
         raise FramesFormatError(f"{path}: not a frames file ({exc})") from exc
     if not isinstance(payload, dict):
         raise FramesFormatError(f"{path}: not a frames file (a JSON "

@@ -29,7 +29,7 @@ from typing import Any, Callable
 from contract_lib.installs import python_files
 from contract_lib.loops import spec as loop_spec
 from contract_lib.paths import PROJECT_ROOT
-from contract_lib.versions import install_target
+from contract_lib.versions import install_target, trusted_install
 
 OMNI_VERSION = "0.1.9"
 OMNI_SGLANG = loop_spec("omni").sglang  # sglang-omni 0.1.9 pins sglang==0.5.22
@@ -56,7 +56,7 @@ def _complete(folder: Path) -> bool:
 def omni_path() -> Path:
     """The folder holding sglang-omni (installed on first use: ~3 s, 29 MB)."""
     folder = omni_folder()
-    if _complete(folder):
+    if trusted_install(folder, f"sglang-omni {OMNI_VERSION}") and _complete(folder):
         return folder
     return install_target(folder, list(OMNI_REQUIREMENTS), complete=_complete,
                           label=f"sglang-omni {OMNI_VERSION}", size_hint="~3 MB download")

@@ -64,9 +64,10 @@ def error_record(message: str, exc: BaseException | None = None,
 
 
 def interrupted_error(phase: str) -> dict[str, Any]:
-    """The ``error`` of a run the parent stopped (Ctrl-C, a cancelled batch)."""
+    """The ``error`` of a run the parent stopped (Ctrl-C, SIGTERM, a cancelled batch)."""
     return {"type": "KeyboardInterrupt", "phase": phase,
-            "message": "interrupted (Ctrl-C, a kernel interrupt or a cancelled batch); "
+            "message": "interrupted (Ctrl-C, SIGTERM, a kernel interrupt or a cancelled "
+                       "batch); "
                        "the child was killed, the frames are those captured until then",
             "traceback": None, "signal": None}
 
@@ -158,7 +159,8 @@ def collect(receiver: Connection, stored: journal.Reader, child, meta: dict[str,
     elif hung:
         status, error = "timeout", {
             "type": "Hang", "phase": "loop",
-            "message": f"no frame from the child for {hang_timeout:.0f} s; killed it",
+            "message": f"no frame from the child for {hang_timeout:g} s (the hang limit: "
+                       "--max-seconds, or max_seconds in the workload); killed it",
             "traceback": None, "signal": None, "log_tail": tail}
     elif getattr(child, "server_lost", False):
         status, error = "died", {

@@ -25,6 +25,9 @@ code  outcome           when
                         request, and the workload does not declare that expected
 130   ``interrupted``   Ctrl-C (reserved here; wired by the command line)
 ====  ================  ============================================================
+
+The command line adds two codes that are not a run's outcome: 70 (contract_lib itself
+failed: a bug of the tool, never a verdict) and 143 (SIGTERM, handled as Ctrl-C).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from pathlib import Path
 from contract_lib.compat import SUPPORTED_SGLANG_VERSIONS
 from contract_lib.installs import installed_version
 from contract_lib.paths import PROJECT_ROOT
+from contract_lib.trust import UntrustedError, own_directory
 
 RELEASES_DIR_ENV = "CONTRACT_LIB_SGLANG_DIR"
 PIP_TIMEOUT_S = 900
@@ -104,9 +105,23 @@ def sglang_path(version: str | None) -> Path | None:
     if version == installed_sglang_version():
         return None
     folder = release_folder(version)
-    if _complete(folder, version):
+    if trusted_install(folder, f"sglang {version}") and _complete(folder, version):
         return folder
     return install_release(version)
+
+
+def trusted_install(folder: Path, label: str) -> bool:
+    """Whether ``folder`` exists, after refusing (:class:`SGLangInstallError`) an install
+    folder, or its parent, that another user owns or can write to: its code would be
+    imported. The parent is created (0755) when missing."""
+    try:
+        own_directory(folder.parent, 0o022, f"the install folder of {label}")
+        if not os.path.lexists(folder):
+            return False
+        own_directory(folder, 0o022, f"the install folder of {label}")
+    except UntrustedError as exc:
+        raise SGLangInstallError(f"{exc}; nothing is imported from it") from None
+    return True
 
 
 def install_release(version: str) -> Path:
@@ -130,7 +145,7 @@ def install_target(folder: Path, requirements: list[str], *, complete, label: st
     Serialised across threads and processes by a lock file in the parent folder.
     """
     parent = folder.parent
-    parent.mkdir(parents=True, exist_ok=True)
+    trusted_install(folder, label)
     with _INSTALL_LOCK, open(parent / ".install.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if complete(folder):

@@ -5,6 +5,8 @@ A workload is a TOML file under ``data/workloads/``::
     name = "two-turn"
     description = "..."
     max_steps = 120                # step budget; past it the run ends with status "timeout"
+    max_seconds = 60               # optional hang limit [300]: seconds without a sign of
+                                   # progress from the run before it is stopped ("timeout")
 
     [server_args]                  # optional ServerArgs overrides for this workload
     chunked_prefill_size = 32
@@ -69,13 +71,18 @@ from pathlib import Path
 from typing import Any
 
 from contract_lib.paths import WORKLOAD_DIR
+from contract_lib.trust import UntrustedError, read_user_file
 
 # Token ids below this are reserved: the model-free next-token function and the tiny
 # model never emit them (2 is EOS).
 FIRST_ORDINARY_TOKEN = 10
 
 
-WORKLOAD_KEYS = {"name", "description", "requests", "server_args", "max_steps", "expect"}
+# A workload file is read only if it is a regular file of at most this many bytes (the
+# shipped ones are under 2 KB; a thousand requests fit in well under this).
+MAX_WORKLOAD_BYTES = 1 << 20
+WORKLOAD_KEYS = {"name", "description", "requests", "server_args", "max_steps",
+                 "max_seconds", "expect"}
 EXPECT_KEYS = {"aborted", "vacuous"}
 REQUEST_KEYS = {"rid", "prompt", "prompt_range", "max_new_tokens", "arrival", "turn_of",
                 "stop_token_ids", "emit", "ignore_eos", "abort_at", "priority"}
@@ -124,6 +131,8 @@ class Workload:
     description: str = ""
     server_args: dict[str, Any] = dataclasses.field(default_factory=dict)
     max_steps: int = 200
+    # The hang limit (seconds without a message from the run), None: the caller's default.
+    max_seconds: float | None = None
     # Declared expected outcomes: ``aborted`` (request ids), ``vacuous`` (bool).
     expect: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -182,6 +191,7 @@ class Workload:
                 description=str(raw.get("description", "")).strip(),
                 server_args=dict(raw.get("server_args", {})),
                 max_steps=raw.get("max_steps", 200),
+                max_seconds=raw.get("max_seconds"),
                 expect=dict(raw.get("expect", {})),
             )
         except WorkloadError as exc:
@@ -197,6 +207,8 @@ class Workload:
         """Reject what SGLang would misread: counts that are not integers (``1.5``,
         ``"3"`` and ``true`` included), negative arrivals, reserved token ids, bad turns."""
         _require_int(self.max_steps, "max_steps", source, minimum=1)
+        if self.max_seconds is not None:
+            require_seconds(self.max_seconds, f"{source}: max_seconds")
         if not self.requests:
             raise WorkloadError(f"{source}: no requests")
         rids = [r.rid for r in self.requests]
@@ -363,6 +375,14 @@ def _emit_pairs(value: Any, rid: str) -> tuple[tuple[int, Any], ...]:
     return tuple(sorted(pairs))
 
 
+def require_seconds(value: Any, what: str) -> float:
+    """``value`` as a positive, finite number of seconds; :class:`WorkloadError` if not."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            0 < value < float("inf")):
+        raise WorkloadError(f"{what} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
 def workload_names() -> list[str]:
     """Names of the shipped workloads (files under ``data/workloads/``)."""
     return sorted(p.stem for p in WORKLOAD_DIR.glob("*.toml"))
@@ -381,11 +401,11 @@ def load_workload(name_or_path: str | Path) -> Workload:
                 f"shipped workloads: {', '.join(workload_names())} (or a path to a .toml file)")
     elif not path.exists():
         raise WorkloadError(f"workload file not found: {path}")
-    elif path.is_dir():
-        raise WorkloadError(f"{path}: a directory, not a workload file")
     try:
-        with path.open("rb") as handle:
-            raw = tomllib.load(handle)
+        raw = tomllib.loads(read_user_file(path, "workload file", MAX_WORKLOAD_BYTES)
+                            .decode("utf-8"))
+    except UntrustedError as exc:
+        raise WorkloadError(str(exc)) from None
     except tomllib.TOMLDecodeError as exc:
         raise WorkloadError(f"{path}: not valid TOML ({exc})") from exc
     except UnicodeDecodeError as exc:

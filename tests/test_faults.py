@@ -113,9 +113,11 @@ def cli(tmp_path):
     private_tmp = tmp_path / "tmp"
     private_tmp.mkdir()
 
-    def start(*args: str) -> subprocess.Popen:
+    def start(*args: str, path: Path | None = None) -> subprocess.Popen:
+        """``path``: a folder put first on the command's Python path (a user patch)."""
+        paths = [str(p) for p in (path, TESTS_DIR, PROJECT_ROOT) if p is not None]
         env = {**os.environ, "TMPDIR": str(private_tmp), "CONTRACT_LIB_NO_CACHE": "1",
-               "PYTHONPATH": os.pathsep.join([str(TESTS_DIR), str(PROJECT_ROOT)])}
+               "PYTHONPATH": os.pathsep.join(paths)}
         process = subprocess.Popen([sys.executable, "-m", "contract_lib", *args],
                                    cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True,
@@ -145,8 +147,12 @@ def _logs_left(directory: Path) -> list[str]:
 # -- 1. Ctrl-C -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("to_group", [False, True], ids=["parent", "process-group"])
-def test_ctrl_c_during_run_stops_it_and_keeps_the_frames(cli, tmp_path, to_group):
+@pytest.mark.parametrize("signum, to_group, code, word", [
+    (signal.SIGINT, False, 130, "interrupted"), (signal.SIGINT, True, 130, "interrupted"),
+    (signal.SIGTERM, False, 143, "terminated (SIGTERM)")],
+    ids=["ctrl-c-parent", "ctrl-c-process-group", "sigterm"])
+def test_ctrl_c_or_sigterm_during_run_stops_it_and_keeps_the_frames(cli, tmp_path, signum,
+                                                                     to_group, code, word):
     out = tmp_path / "frames.json"
     process = cli("run", "--loop", "normal", "--workload", "two-turn", "--patch", HANG,
                   "--out", str(out))
@@ -154,15 +160,15 @@ def test_ctrl_c_during_run_stops_it_and_keeps_the_frames(cli, tmp_path, to_group
     cli.seen.update(_all_descendants(process.pid))
     started = time.monotonic()
     if to_group:  # a terminal's Ctrl-C reaches every process of the foreground group
-        os.killpg(process.pid, signal.SIGINT)
+        os.killpg(process.pid, signum)
     else:
-        os.kill(process.pid, signal.SIGINT)
+        os.kill(process.pid, signum)
     stdout, stderr = process.communicate(timeout=30)
-    assert process.returncode == 130, stderr
+    assert process.returncode == code, stderr
     assert time.monotonic() - started < 10
     assert "Traceback" not in stderr
     lines = [line for line in stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("interrupted"), stderr
+    assert len(lines) == 1 and lines[0].startswith(word), stderr
     frames = contract_lib.Frames.load(out)
     assert frames.status == "interrupted"
     assert frames.error["type"] == "KeyboardInterrupt"
@@ -170,6 +176,35 @@ def test_ctrl_c_during_run_stops_it_and_keeps_the_frames(cli, tmp_path, to_group
     assert _wait_until(lambda: not any(map(_alive, cli.seen | set(runs))), 10), \
         [p for p in cli.seen if _alive(p)]
     assert _logs_left(cli.tmp) == []
+
+
+def test_a_run_that_fails_before_its_loop_keeps_the_out_file(cli, tmp_path):
+    out = tmp_path / "frames.json"
+    good = contract_lib.run("single-decode", "normal")
+    good.save(out)
+    before = out.read_bytes()
+    (tmp_path / "raises_at_import.py").write_text("raise RuntimeError('broken patch')\n"
+                                                   "def apply():\n    pass\n")
+    process = cli("check", "--loop", "normal", "--workload", "single-decode", "--patch",
+                  "raises_at_import:apply", "--out", str(out), path=tmp_path)
+    stdout, stderr = process.communicate(timeout=600)
+    assert process.returncode == 2, stdout + stderr
+    assert "frames not written" in stderr
+    assert out.read_bytes() == before
+
+
+@pytest.mark.parametrize("where", ["command line", "workload"])
+def test_the_hang_limit_is_set_from_the_command_line_or_the_workload(cli, tmp_path, where):
+    workload = tmp_path / "hang.toml"
+    limit = "max_seconds = 3\n" if where == "workload" else ""
+    workload.write_text(f'name = "hang"\n{limit}[[requests]]\nrid = "a"\n'
+                        "prompt_range = [20, 30]\nmax_new_tokens = 4\n")
+    extra = ["--max-seconds", "3"] if where == "command line" else []
+    process = cli("check", "--loop", "normal", "--workload", str(workload), "--patch", HANG,
+                  "--clauses", "rfc", "--out", str(tmp_path / "frames.json"), *extra)
+    stdout, stderr = process.communicate(timeout=600)
+    assert process.returncode == 3, stdout + stderr
+    assert "no frame from the child for 3 s (the hang limit" in stdout + stderr
 
 
 def test_ctrl_c_during_status_cancels_queued_runs_and_exits_130(cli):

@@ -22,6 +22,8 @@ from contract_lib.workloads import WorkloadError
 USAGE_ERRORS = (RunSetupError, WorkloadError, PatchError, UnsupportedSGLangError,
                 SGLangInstallError)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM: stopped like a Ctrl-C, the frames kept
+EXIT_SOFTWARE = 70  # sysexits' EX_SOFTWARE: contract_lib itself failed (a bug), not a run
 
 
 def server_arg(text: str) -> tuple[str, object]:
@@ -50,7 +52,12 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
                         metavar="KEY=VALUE", help="a ServerArgs override (repeatable)")
     parser.add_argument("--out", type=Path, help="where to write the frames (default: "
                         "data/frames/<workload>.<loop>[.real][.sglang-<version>]"
-                        "[.<patch>].json)")
+                        "[.<patch>].json); a run that fails before its loop keeps the "
+                        "file as it was")
+    parser.add_argument("--max-seconds", type=float, metavar="S",
+                        help="the hang limit: seconds without a sign of progress from the "
+                        "run before it is stopped as hung (status timeout, exit 3; "
+                        "default: the workload's max_seconds, else 300)")
     add_release_options(parser)
     add_speed_options(parser)
 
@@ -112,10 +119,16 @@ def run_and_save(args) -> Frames:
         frames = run(args.workload, args.loop, patch=args.patch,
                      server_args=dict(args.server_arg), cache=not args.no_cache,
                      warm=not args.cold, runner=args.runner, sglang=args.sglang,
-                     diff=args.diff)
+                     diff=args.diff, hang_timeout=args.max_seconds)
     except RunInterrupted as exc:  # keep what the run captured
+        if exc.frames is None or setup_failed(exc.frames.meta):
+            raise
         out = save_frames(exc.frames, args.out or default_out(args))
         raise RunInterrupted(f"{exc}; the frames so far are in {out}", exc.frames) from None
+    if setup_failed(frames.meta):  # no step to keep: a good file there stays as it was
+        print(f"frames not written to {args.out or default_out(args)}: the run failed "
+              "before its loop", file=sys.stderr)
+        return frames
     out = save_frames(frames, args.out or default_out(args))
     if out is not None:
         cached = " (from the frame cache)" if frames.meta.get("cached") else ""
