@@ -12,7 +12,9 @@ Tables (pandas DataFrames; the column lists below are the schema):
 - ``launches``: one row per forward launch (a ``run_batch`` forward, an MLX fresh or
   chained launch), completed when ``process_batch_result`` receives that launch's batch;
   ``tokens`` what the model produced for each of its ``rids`` (comma-joined, in order);
-  ``processed_*`` the batch's stamps as ``process_batch_result`` received it.
+  ``processed_*`` the batch's stamps as ``process_batch_result`` received it;
+  ``extend_num_tokens`` the batch's own field at its launch (what ``run_batch`` adds to
+  the HRRN clock; None where the launch had no batch, an MLX chained launch).
 - ``requests``: per step and request that SGLang knows about; ``finish_reason`` is the
   ``type`` of SGLang's ``req.finished_reason`` (``length``, ``stop``, ``abort``; None
   while running), ``finish_message`` its message (an abort's reason),
@@ -79,7 +81,7 @@ import pandas as pd
 
 from contract_lib.atomic import atomic_write
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 COLUMNS: dict[str, list[str]] = {
     "steps": [
@@ -93,6 +95,7 @@ COLUMNS: dict[str, list[str]] = {
         "launch", "step", "loop", "forward_ct", "forward_iter", "launch_ts", "mode",
         "chained", "rids", "processed_step", "processed_forward_iter",
         "processed_launch_ts", "prefilled_tokens", "tokens", "processed_after_idle_gap",
+        "extend_num_tokens",
     ],
     "requests": [
         "step", "rid", "prompt_len", "emitted", "finished", "req_pool_idx", "seq_len",

@@ -11,17 +11,20 @@ class LaunchRecording:
     """The launch and relay part of :class:`~contract_lib.capture.recorder.Recorder` (its
     state is set in ``Recorder.__init__``)."""
 
-    def _launch_row(self, *, forward_iter, launch_ts, mode, chained, rids,
+    def _launch_row(self, *, batch, forward_iter, launch_ts, mode, chained, rids,
                     prefilled_tokens: int = 0, tokens: str | None = None
                     ) -> tuple[str, tuple]:
         """A new launch, counted, and its ``launches`` row (for the caller to send; the
         ``processed_*`` columns are None until its update). ``tokens``: what the model
-        produced for each of ``rids``, comma-joined (None until known: MLX's are lazy)."""
+        produced for each of ``rids``, comma-joined (None until known: MLX's are lazy).
+        ``batch``: the launch's ``ScheduleBatch`` (None: a chained MLX launch)."""
         self.launch_ct += 1
         self.unprocessed.append(self.launch_ct)
+        extend = None if batch is None else getattr(batch, "extend_num_tokens", None)
         return ("launches", (self.launch_ct, self.step, self.loop, self.s.forward_ct,
                              forward_iter, launch_ts, mode, chained, ",".join(rids),
-                             None, None, None, prefilled_tokens, tokens, None))
+                             None, None, None, prefilled_tokens, tokens, None,
+                             None if extend is None else int(extend)))
 
     def on_torch_launch(self, batch, tokens: list[int]) -> None:
         """Called by the torch model-free forward with the batch and the tokens it made."""
@@ -42,7 +45,8 @@ class LaunchRecording:
             self.latest_token[rid] = int(token)
         for lane in lanes:
             self.kv_prefilled[rids[lane]] = self.kv_computed[rids[lane]]
-        launch = self._launch_row(forward_iter=batch.forward_iter, launch_ts=batch.launch_ts,
+        launch = self._launch_row(batch=batch, forward_iter=batch.forward_iter,
+                                  launch_ts=batch.launch_ts,
                                   mode=mode_name(batch), chained=False, rids=rids,
                                   prefilled_tokens=prefilled_tokens(batch, lanes),
                                   tokens=",".join(map(str, tokens)))
@@ -105,7 +109,8 @@ class LaunchRecording:
             forward_iter, launch_ts, mode = batch.forward_iter, batch.launch_ts, mode_name(batch)
         else:
             forward_iter, launch_ts, mode = None, None, "decode"
-        self._emit_rows([self._launch_row(forward_iter=forward_iter, launch_ts=launch_ts,
+        self._emit_rows([self._launch_row(batch=batch, forward_iter=forward_iter,
+                                          launch_ts=launch_ts,
                                           mode=mode, chained=chained, rids=rids,
                                           prefilled_tokens=prefilled_tokens(batch))])
         self.mlx_unfinalized[id(launch)] = (self.launch_ct, rids, launch)
