@@ -31,7 +31,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.errors import Unsatisfiable
 
 from contract_lib import loops
-from contract_lib.contract import Report, check, sglang_finding, violation_message
+from contract_lib.contract import Report, check, violation_message
 from contract_lib.frames import Frames
 from contract_lib.harness import run
 from contract_lib.patches import PatchSpec, patch_spec
@@ -195,13 +195,11 @@ def judge(frames: Frames, reference: Frames | None, clause: int | None,
     """The finding a run shows, or None. ``reference``: the unpatched torch normal loop on
     the same workload (None: no token comparison). ``clauses``: the clause set checked
     (``all`` or ``rfc``); ``report``: that check, when the caller has it already. A
-    violation that is exactly a catalogued SGLang-wide bug (the torch loops' own clause 6,
-    :func:`contract_lib.contract.sglang_finding`) is not a finding: it is what the
-    reference loops do too."""
+    clause whose violations are exactly a catalogued upstream bug's (``Report.known``,
+    e.g. the torch loops' own clause 6) is not a finding: it is known."""
     report = report if report is not None else check(frames, clauses)
-    for number, result in report.clauses.items():
-        if (clause is not None and number != clause) or result.violations.empty \
-                or sglang_finding(number, result):
+    for number, result in report.failing().items():
+        if clause is not None and number != clause:
             continue
         first = result.first()
         return Finding("violation", violation_message(first), number, first["field"],

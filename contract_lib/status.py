@@ -11,8 +11,7 @@ import dataclasses
 import pandas as pd
 
 from contract_lib.contract import (CLAUSES, EXTENDED_FIELDS, HOLDS, MASKED, NOT_EXERCISED,
-                                   POOL_ROW, VIOLATED, Report, check, origin,
-                                   sglang_finding)
+                                   POOL_ROW, VIOLATED, Report, check, origin)
 from contract_lib import loops as registry
 from contract_lib.harness import frames_or_raise, run_many
 from contract_lib.patches import PatchArg, patch_spec
@@ -39,9 +38,9 @@ UNSUPPORTED = "unsupported"
 # Worst first: the status a (clause, loop) cell shows over several workloads.
 _SEVERITY = [VIOLATED, MASKED, SETUP_ERROR, "crashed", "died", "timeout", "interrupted",
              VACUOUS, HOLDS, NOT_EXERCISED]
-# The cell of a (clause, loop) whose every violating run is a catalogued SGLang-wide bug
-# (contract_lib.contract.sglang_finding): reported, and not a reference-loop failure.
-SGLANG_WIDE = "sglang-wide bug"
+# The cell of a (clause, loop) whose every violating run reproduces catalogued upstream
+# bugs exactly (``Report.known``): reported, and no failure unless --strict-known.
+KNOWN_UPSTREAM = "known upstream"
 
 
 def run_cell_status(report: Report) -> str | None:
@@ -59,9 +58,9 @@ def run_cell_status(report: Report) -> str | None:
 
 def run_outcome(report: Report, reference: bool) -> Outcome:
     """A run's contribution to ``status``'s exit code: its fate, and a clause violation
-    only on a reference (torch) loop and not as a catalogued SGLang-wide bug
-    (:func:`contract_lib.contract.sglang_finding`); the MLX loop's violations are the
-    measurement. A run the loop refused as unsupported counts for nothing."""
+    only on a reference (torch) loop and not as a catalogued upstream bug reproduced
+    exactly (``Report.known``, unless ``strict_known``); the MLX loop's violations are
+    the measurement. A run the loop refused as unsupported counts for nothing."""
     if unsupported(report.meta):
         return Outcome.PASS
     outcome = report.verdict().outcome
@@ -69,10 +68,8 @@ def run_outcome(report: Report, reference: bool) -> Outcome:
         return outcome
     if report.meta["status"] != "finished":
         return Outcome.NOT_FINISHED
-    if reference and (not report.pool.empty
-                      or any(r.status in (VIOLATED, MASKED) and not sglang_finding(n, r)
-                             for n, r in report.clauses.items())):
-        return Outcome.VIOLATED  # a catalogued SGLang-wide bug is reported, not failed
+    if reference and (not report.pool.empty or report.failing()):
+        return Outcome.VIOLATED  # a known upstream bug is reported, not failed
     return Outcome.VACUOUS if report.vacuity() else Outcome.PASS
 
 
@@ -111,7 +108,10 @@ class Status:
                              "name": CLAUSES[number], "status": shown,
                              "clause_status": result.status,
                              "violations": len(result.violations),
-                             "finding": sglang_finding(number, result)})
+                             # under strict_known a known bug is a plain violation
+                             "finding": ", ".join(m.bug for m in report.known[number])
+                             if number in report.known and not report.strict_known
+                             else None})
         return pd.DataFrame(rows, columns=["workload", "loop", "clause", "name", "status",
                                            "clause_status", "violations", "finding"])
 
@@ -131,7 +131,7 @@ class Status:
                 worst = min(cell["status"], key=_SEVERITY.index)
                 count = int((cell["status"] == worst).sum())
                 if worst == VIOLATED and cell.loc[cell["status"] == worst, "finding"].notna().all():
-                    worst = SGLANG_WIDE
+                    worst = KNOWN_UPSTREAM
                 row[loop] = f"{worst} ({count}/{len(cell)})"
             rows.append(row)
         if self.shows_pool_row():
@@ -178,15 +178,15 @@ class Status:
 
     def reference_violations(self) -> pd.DataFrame:
         """Violations on the torch loops, which must satisfy every clause, except the
-        catalogued SGLang-wide bugs (:meth:`sglang_findings`)."""
+        catalogued upstream bugs they reproduce exactly (:meth:`known_upstream`)."""
         per_run = self.per_run()
         bad = (per_run["loop"].isin(registry.reference_names())
                & per_run["status"].isin([VIOLATED, MASKED]) & per_run["finding"].isna())
         return per_run[bad]
 
-    def sglang_findings(self) -> pd.DataFrame:
-        """Runs whose violation of a clause is a catalogued SGLang-wide bug (``finding``,
-        an id in ``data/bugs.toml``): what the torch loops themselves get wrong."""
+    def known_upstream(self) -> pd.DataFrame:
+        """Runs whose violations of a clause are exactly catalogued upstream bugs'
+        (``finding``: their ids in ``data/bugs.toml``)."""
         per_run = self.per_run()
         return per_run[per_run["finding"].notna()]
 
@@ -226,11 +226,10 @@ def _section(label: str, previous: str | None) -> list[str]:
 
 
 def _findings_note(table: pd.DataFrame) -> list[str]:
-    if not table.astype(str).apply(lambda c: c.str.startswith(SGLANG_WIDE)).any().any():
+    if not table.astype(str).apply(lambda c: c.str.startswith(KNOWN_UPSTREAM)).any().any():
         return []
-    return [f"({SGLANG_WIDE} = violated exactly as a catalogued upstream bug the torch "
-            "reference loops share, see data/bugs.toml; reported, not a reference-loop "
-            "failure)"]
+    return [f"({KNOWN_UPSTREAM} = violated exactly as a catalogued upstream bug predicts, "
+            "see data/bugs.toml; reported, not a failure unless --strict-known)"]
 
 
 def default_loops(runner: str = "model-free") -> tuple[str, ...]:
@@ -244,10 +243,10 @@ def default_loops(runner: str = "model-free") -> tuple[str, ...]:
 def status(workloads: list[str] | None = None, loops: tuple[str, ...] | None = None,
            patch: PatchArg = None, progress: bool = True, cache: bool = True,
            warm: bool = True, runner: str = "model-free", sglang: str | None = None,
-           clauses: str = "all") -> Status:
+           clauses: str = "all", strict_known: bool = False) -> Status:
     """Run and check every workload through every loop (in parallel) on one release."""
     return releases_status([sglang], workloads, loops, patch, progress, cache, warm,
-                           runner, clauses).statuses[0]
+                           runner, clauses, strict_known=strict_known).statuses[0]
 
 
 @dataclasses.dataclass
@@ -313,7 +312,8 @@ def releases_status(versions: list[str | None], workloads: list[str] | None = No
                     loops: tuple[str, ...] | None = None, patch: PatchArg = None,
                     progress: bool = True, cache: bool = True, warm: bool = True,
                     runner: str = "model-free", clauses: str = "all",
-                    diffs: list[str] | None = None) -> ReleasesStatus:
+                    diffs: list[str] | None = None,
+                    strict_known: bool = False) -> ReleasesStatus:
     """Every workload through every loop on each SGLang in ``versions`` (a release, None:
     the venv's, or a source-tree path; ``diffs`` applied to each), all runs in parallel;
     each release installs on first use."""
@@ -339,6 +339,7 @@ def releases_status(versions: list[str | None], workloads: list[str] | None = No
             for version in sources]
     damage = kv_rows(runs, real=runner == "real")
     return ReleasesStatus([
-        Status({key: check(f, clauses) for key, f in version_runs.items()}, sglang=version,
+        Status({key: check(f, clauses, strict_known) for key, f in version_runs.items()},
+               sglang=version,
                runner=runner, kv_damaged=version_damage)
         for version, version_runs, version_damage in zip(sources, runs, damage)])

@@ -140,8 +140,7 @@ def verdict(report: Any, kv_damaged: bool = False) -> Verdict:
     mismatch = loop_mismatch(meta) or getattr(report, "not_overlapping", None)
     if mismatch:
         return Verdict(Outcome.USAGE, mismatch)
-    clauses = [f"clause {n}" for n, r in report.clauses.items()
-               if r.violations is not None and not r.violations.empty]
+    clauses = [f"clause {n}" for n in report.failing()]
     found = [f"{', '.join(clauses)} violated"] if clauses else []
     if not report.pool.empty:
         first = report.pool.iloc[0]
@@ -156,9 +155,15 @@ def verdict(report: Any, kv_damaged: bool = False) -> Verdict:
                      f"the model did not compute (first: {first['rid']} token "
                      f"{first['index']} at step {first['step']}: expected {first['expected']}"
                      f", got {first['actual']}): a gap in the contract")
+    known = getattr(report, "known", {})
+    known_note = ("known upstream bugs reproduced exactly as catalogued: " + ", ".join(
+        f"{m.bug} (clause {n})" for n, matches in known.items() for m in matches)
+        + (" (failing: --strict-known)" if getattr(report, "strict_known", False) else
+           " (not a failure; --strict-known makes it one)")) if known else ""
     if found:
         suffix = "" if status == "finished" else f" (and the run {status})"
-        return Verdict(Outcome.VIOLATED, f"{'; '.join(found)}{suffix}")
+        also = f"; also {known_note}" if known_note else ""
+        return Verdict(Outcome.VIOLATED, f"{'; '.join(found)}{suffix}{also}")
     if status != "finished":
         return Verdict(Outcome.NOT_FINISHED,
                        f"the run {status} after {meta.get('steps')} steps: {failure}; no "
@@ -166,5 +171,8 @@ def verdict(report: Any, kv_damaged: bool = False) -> Verdict:
     reasons = report.vacuity()
     if reasons:
         return Verdict(Outcome.VACUOUS, "; ".join(reasons))
+    if known:
+        return Verdict(Outcome.PASS, "the requested loop ran to the end, every exercised "
+                                     f"clause held but for {known_note}")
     return Verdict(Outcome.PASS, "the requested loop ran to the end, every exercised "
                                  "clause held")

@@ -14,10 +14,10 @@ import pytest
 import contract_lib
 from contract_lib.cli import main
 from contract_lib.contract import HOLDS, NOT_EXERCISED, VIOLATED, check
-from contract_lib.contract import EXTENSIONS, RFC, sglang_finding
+from contract_lib.contract import EXTENSIONS, RFC
 from contract_lib.patches import BUILTIN_PATCHES, bug_catalog
-from contract_lib.status import SGLANG_WIDE, Status
-from contract_lib.verdict import unsupported
+from contract_lib.status import KNOWN_UPSTREAM, Status
+from contract_lib.verdict import Outcome, unsupported
 
 WORKLOADS = contract_lib.workload_names()
 ALL_FIXES = ("fix-chained-accounting+fix-idle-predicate+fix-processed-tokens-counter"
@@ -66,25 +66,32 @@ def test_decode_batch_idx_fails_when_it_lags(torch_good):
     assert _status(torch_good, 2, "rfc") == HOLDS  # not one of the RFC's fields
 
 
+def _known(report, clause: int) -> list[str]:
+    """The catalogued upstream bugs that explain ``clause``'s violations exactly."""
+    return [m.bug for m in report.known.get(clause, [])]
+
+
 @pytest.mark.fast
 def test_clause6_fails_on_a_clock_that_runs_ahead_or_lags(torch_good):
     steps = torch_good.steps
     ahead = torch_good.steps.copy()
     ahead.loc[ahead.step >= 9, "processed_tokens_counter"] += 5
     torch_good.tables["steps"] = ahead
-    result = check(torch_good).clauses[6]
+    report = check(torch_good)
+    result = report.clauses[6]
     assert result.status == VIOLATED and len(result.violations) == 1
     first = result.first()
     assert (first["field"], first["step"], first["expected"], first["actual"]) == (
         "processed_tokens_counter", 9, "+0", "+5")
-    assert sglang_finding(6, result) == "processed-tokens-counter"
+    assert _known(report, 6) == []  # ahead, but not by what the batch carried
     lag = steps.copy()
     lag.loc[lag.step >= 1, "processed_tokens_counter"] -= 3
     torch_good.tables["steps"] = lag
-    result = check(torch_good).clauses[6]
+    report = check(torch_good)
+    result = report.clauses[6]
     assert result.status == VIOLATED and result.first()["step"] == 1
     assert "missed 3" in result.first()["explanation"]
-    assert sglang_finding(6, result) is None  # a lagging clock is not the catalogued bug
+    assert _known(report, 6) == []  # a lagging clock is not the catalogued bug
 
 
 @pytest.mark.fast
@@ -227,7 +234,7 @@ def test_report_sections_and_clause_sets(saved):
     assert text.index(f"[{RFC}]") < text.index("1 slots recorded")
     assert text.index(f"[{EXTENSIONS}]") < text.index("6 scheduling clocks advanced")
     assert "2 counters advanced (+ decode_batch_idx)" in text
-    assert "bug processed-tokens-counter in data/bugs.toml" in text
+    assert "known upstream: processed-tokens-counter in data/bugs.toml" in text
     rfc = check(frames, "rfc")
     assert list(rfc.clauses) == [1, 2, 3, 4, 5] and rfc.ok
     assert "decode_batch_idx" not in rfc.text() and EXTENSIONS not in rfc.text()
@@ -244,11 +251,13 @@ def test_torch_loops_on_the_extensions(run_cached, workload, loop):
     report = check(run_cached(workload, loop))
     assert report.clauses[2].status == HOLDS  # decode_batch_idx advances on torch
     six = report.clauses[6]
-    assert six.status == VIOLATED and sglang_finding(6, six) == "processed-tokens-counter"
+    assert six.status == VIOLATED and _known(report, 6) == ["processed-tokens-counter"]
+    assert report.ok and not check(run_cached(workload, loop), strict_known=True).ok
     assert report.clauses[7].status == NOT_EXERCISED
     assert report.clauses[7].note == "the loop's backend kept no per-request state"
     fixed = check(run_cached(workload, loop, "fix-processed-tokens-counter"))
     assert fixed.ok and fixed.clauses[6].status == HOLDS
+    assert [m.bug for m in fixed.gone] == ["processed-tokens-counter"]
 
 
 @pytest.mark.parametrize("workload", WORKLOADS)
@@ -257,7 +266,7 @@ def test_mlx_loop_on_the_extensions(run_cached, workload):
         pytest.skip(f"the mlx loop refuses {workload}")  # e.g. page_size > 1
     report = check(run_cached(workload, "mlx"))
     six, seven = report.clauses[6], report.clauses[7]
-    assert six.status == VIOLATED and sglang_finding(6, six) is None
+    assert six.status == VIOLATED and _known(report, 6) == ["mlx-clock"]
     assert set(six.violations["actual"]) == {"+0"}  # the MLX loop never advances it
     assert seven.status == VIOLATED
     last = int(run_cached(workload, "mlx").steps.step.max())
@@ -335,7 +344,7 @@ def test_builtin_patch_against_clauses_6_and_7(run_cached, patch):
     if patch == "fix-processed-tokens-counter":
         assert six.status == HOLDS
     else:
-        assert sglang_finding(6, six) == "processed-tokens-counter"
+        assert _known(torch, 6) == ["processed-tokens-counter"]
     assert torch.clauses[7].status == NOT_EXERCISED
 
 
@@ -352,7 +361,7 @@ def test_unclamped_sync_keeps_the_row_mapping_too(run_cached):
 @pytest.mark.parametrize("version", ["0.5.21", "0.5.22"])
 def test_extensions_on_older_releases(run_cached, version):
     torch = check(run_cached("two-turn", "overlap", sglang=version))
-    assert sglang_finding(6, torch.clauses[6]) == "processed-tokens-counter"
+    assert _known(torch, 6) == ["processed-tokens-counter"]
     mlx = check(run_cached("two-turn", "mlx", sglang=version))
     assert mlx.clauses[6].status == VIOLATED and mlx.clauses[7].status == VIOLATED
     fixed = check(run_cached("two-turn", "mlx", ALL_FIXES, sglang=version))
@@ -371,16 +380,16 @@ def test_backend_state_fix_with_the_real_runner(run_cached):
 
 
 @pytest.mark.fast
-def test_status_shows_the_sglang_wide_bug_without_failing_the_reference_gate(saved):
+def test_status_shows_known_upstream_bugs_without_failing_the_reference_gate(saved):
     reports = {(w, loop): check(saved(w, loop)) for w in ("two-turn", "single-decode")
                for loop in ("normal", "overlap", "mlx")}
     status = Status(reports)
     table = status.table()
     six = "6 scheduling clocks advanced"
-    assert table.loc[six, "normal"] == f"{SGLANG_WIDE} (2/2)"
-    assert table.loc[six, "mlx"] == "violated (2/2)"
+    assert table.loc[six, "normal"] == f"{KNOWN_UPSTREAM} (2/2)"
+    assert table.loc[six, "mlx"] == f"{KNOWN_UPSTREAM} (2/2)"  # mlx-clock
     assert status.reference_violations().empty
-    assert set(status.sglang_findings().loop) == {"normal", "overlap"}
+    assert set(status.known_upstream().loop) == {"normal", "overlap", "mlx"}
     text = status.text()
     assert text.index(f"[{RFC}]") < text.index(f"[{EXTENSIONS}]") < text.index(six)
     assert "2 counters advanced (+ decode_batch_idx)" in text
@@ -392,20 +401,44 @@ def test_status_shows_the_sglang_wide_bug_without_failing_the_reference_gate(sav
 
 
 @pytest.mark.fast
-def test_sglang_wide_findings_are_catalogued():
+def test_known_upstream_bugs_are_catalogued_with_their_fix():
     bugs = {bug["id"]: bug for bug in bug_catalog()}
     bug = bugs["processed-tokens-counter"]
     assert bug["clause"] == 6 and set(bug["loops"]) == {"normal", "overlap", "omni"}
     assert bugs["backend-state"]["clause"] == 7
+    assert {bugs[b]["fix"] for b in ("processed-tokens-counter", "mlx-clock")} == {
+        "fix-processed-tokens-counter"}
+    assert all(bug.get("fix") in BUILTIN_PATCHES for bug in bugs.values() if "fix" in bug)
 
 
 def test_check_exit_codes_by_clause_set(capsys):
     args = ["check", "--loop", "normal", "--workload", "single-decode", "--out", "/dev/null"]
-    assert main(args) == 1  # clause 6: the torch loops' own HRRN clock
-    assert "clause 6 (scheduling clocks advanced): field processed_tokens_counter" in (
-        capsys.readouterr().out)
+    assert main(args) == 0  # clause 6: the torch loops' own HRRN clock, known upstream
+    out = capsys.readouterr().out
+    assert "clause 6 (scheduling clocks advanced): field processed_tokens_counter" in out
+    assert "known upstream (catalogued bugs reproduced exactly" in out
+    assert main(args + ["--strict-known"]) == 1
     assert main(args + ["--clauses", "rfc"]) == 0
     assert main(args + ["--patch", "fix-processed-tokens-counter"]) == 0
+    assert "processed-tokens-counter, clause 6 field processed_tokens_counter: no longer " \
+        "reproduces (its fix, patch fix-processed-tokens-counter, is applied)" in (
+            capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("mutant", ["clock_counts_prefill_twice", "clock_adds_every_batch"])
+def test_loop_local_clock_bugs_on_real_runs_are_plain_violations(run_cached, mutant):
+    """With fix-processed-tokens-counter applied, a loop that adds each extend batch's
+    tokens again at processing (the clock ahead at every prefill), or every batch's as
+    the catalogued bug does: neither is the known upstream bug (it was labelled as it,
+    and ``status`` exited 0); both fail."""
+    frames = run_cached("two-turn", "normal",
+                        f"fix-processed-tokens-counter+user_patches:{mutant}")
+    report = check(frames)
+    assert report.clauses[6].status == VIOLATED and not report.known
+    assert report.verdict().outcome == Outcome.VIOLATED
+    status = Status({("two-turn", "normal"): report})
+    assert list(status.reference_violations().clause) == [6]
+    assert status.outcome() == Outcome.VIOLATED
 
 
 @pytest.mark.fast
@@ -436,7 +469,7 @@ def test_omni_copies_the_clock_bug_and_the_fix_covers_it(run_cached, workload):
     the same SGLang-wide finding; fix-processed-tokens-counter patches that copy too.
     Its ModelWorker keeps no per-request state: clause 7 is not exercised."""
     report = check(run_cached(workload, "omni"))
-    assert sglang_finding(6, report.clauses[6]) == "processed-tokens-counter"
+    assert _known(report, 6) == ["processed-tokens-counter"]
     assert report.clauses[7].status == NOT_EXERCISED
     assert report.clauses[2].status == HOLDS
     fixed = check(run_cached(workload, "omni", "fix-processed-tokens-counter"))

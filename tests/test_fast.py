@@ -48,12 +48,12 @@ def test_breaking_patches_violate_their_clause():
     assert _statuses("single-decode.mlx")[3] == HOLDS
 
 
-def test_the_extensions_find_the_sglang_wide_clock_bug_on_the_torch_loops():
+def test_the_extensions_find_the_known_clock_bug_on_the_torch_loops():
     report = check(fixture("single-decode.normal"))
     assert report.clauses[6].status == VIOLATED
     status = Status({("single-decode", "normal"): report})
     assert status.table().loc["6 scheduling clocks advanced", "normal"].startswith(
-        "sglang-wide bug")
+        "known upstream")
     assert status.reference_violations().empty
 
 

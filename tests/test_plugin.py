@@ -71,6 +71,22 @@ def test_the_fixture_comes_from_the_installed_entry_point(tmp_path):
     assert "@pytest.mark.contract:" in _pytest("--markers", cwd=tmp_path).stdout
 
 
+def test_a_known_upstream_bug_is_an_xfail_and_strict_makes_it_a_failure(tmp_path):
+    """The torch loops' own HRRN clock (processed-tokens-counter, reproduced exactly):
+    xfail naming the bug, as ``check`` exits 0; ``--contract-strict-known`` fails it."""
+    (tmp_path / "test_known.py").write_text(
+        "from contract_lib.contract import assert_contract\n\n"
+        "def test_normal(contract_run):\n"
+        "    assert_contract(contract_run('single-decode', loop='normal'))\n")
+    proc = _pytest("test_known.py", "-rA", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert re.search(r"^XFAIL test_known.py::test_normal - known upstream: "
+                     r"processed-tokens-counter", proc.stdout, re.M), proc.stdout[-3000:]
+    strict = _pytest("test_known.py", "-rA", "--contract-strict-known", cwd=tmp_path)
+    assert strict.returncode == 1
+    assert "KnownUpstreamBug: known upstream: processed-tokens-counter" in strict.stdout
+
+
 def test_the_sglang_tree_test_passes_against_the_installed_sglang(tmp_path):
     """Torch loops green on every shipped workload; the MLX loop's known violations are
     strict xfails; with the candidate fixes green, except mixed-chunk's clause 4."""

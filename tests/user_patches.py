@@ -848,3 +848,26 @@ def one_token_chunk_as_decode():
          "route = self._route_extend_request(req.rid, decoding_rids)\n"
          "if route == \"continuation\" and seq_len == 1:\n"
          "    route = \"decode\"\n")], "one-token-chunk-as-decode")
+
+
+
+def _clock_at_processing(extend_only: bool) -> None:
+    """A loop-local clock bug on top of ``fix-processed-tokens-counter`` (apply it
+    first): ``process_batch_result`` adds the batch's ``extend_num_tokens`` to the HRRN
+    clock again (extend batches only, or every batch as the catalogued bug does)."""
+    original = Scheduler.process_batch_result
+
+    def process_batch_result(self, batch, result, *args, **kwargs):
+        if batch.extend_num_tokens and (batch.forward_mode.is_extend() or not extend_only):
+            self.processed_tokens_counter += batch.extend_num_tokens
+        return original(self, batch, result, *args, **kwargs)
+
+    Scheduler.process_batch_result = process_batch_result
+
+
+def clock_counts_prefill_twice():
+    _clock_at_processing(extend_only=True)
+
+
+def clock_adds_every_batch():
+    _clock_at_processing(extend_only=False)

@@ -89,6 +89,13 @@ def add_clauses_option(parser: argparse.ArgumentParser) -> None:
                         "RFC's five only")
 
 
+def add_strict_known_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--strict-known", action="store_true",
+                        help="fail on catalogued upstream bugs too: a clause whose "
+                        "violations are exactly what a bug of data/bugs.toml predicts is "
+                        "reported as 'known upstream' and, by default, not a failure")
+
+
 def add_speed_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cache", action="store_true",
                         help="neither serve nor store this run in the frame cache")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from contract_lib import loops
 from contract_lib.cli.options import (add_clauses_option, add_run_options,
+                                      add_strict_known_option,
                                       add_speed_options, fate, file_part,
                                       run_and_save)
 from contract_lib.harness import run
@@ -36,7 +37,7 @@ def cmd_check(args) -> int:
     from contract_lib.contract import check
 
     frames = run_and_save(args)
-    report = check(frames, args.clauses)
+    report = check(frames, args.clauses, args.strict_known)
     if setup_failed(frames.meta):
         print(run_summary(frames))
         print(report.verdict().line())
@@ -99,6 +100,7 @@ def register(commands) -> None:
         "2 set-up error, 3 the run did not finish, 4 vacuous (see README)")
     add_run_options(check_parser)
     add_clauses_option(check_parser)
+    add_strict_known_option(check_parser)
     check_parser.set_defaults(handler=cmd_check)
     trace_parser = commands.add_parser(
         "trace", help="write a Chrome/Perfetto trace of one or more loops on a workload")

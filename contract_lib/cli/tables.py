@@ -7,6 +7,7 @@ import sys
 
 from contract_lib import loops
 from contract_lib.cli.options import (add_clauses_option, add_release_options,
+                                      add_strict_known_option,
                                       add_speed_options)
 from contract_lib.harness import RUNNERS
 from contract_lib.patches import patch_spec
@@ -22,7 +23,7 @@ def cmd_status(args) -> int:
                              patch=patch_spec(args.patch),
                              cache=not args.no_cache, warm=not args.cold,
                              runner=args.runner, clauses=args.clauses,
-                             diffs=args.diff)
+                             diffs=args.diff, strict_known=args.strict_known)
     print(result.text())
     reference = result.reference_violations()
     if not reference.empty:
@@ -67,6 +68,7 @@ def register(commands) -> None:
     add_release_options(status_parser, repeat=True)
     add_speed_options(status_parser)
     add_clauses_option(status_parser)
+    add_strict_known_option(status_parser)
     status_parser.set_defaults(handler=cmd_status)
     audit_parser = commands.add_parser(
         "audit", help="effects audit: what the torch loops' steps write that mlx does not")

@@ -161,8 +161,8 @@ def register(commands) -> None:
                                help="count only violations of clause N (crashes and unequal "
                                "tokens still count)")
     search_parser.add_argument("--clauses", choices=CLAUSE_SETS, default="all",
-                               help="the clause set checked, as for check (a catalogued "
-                               "SGLang-wide violation the torch loops share is no finding)")
+                               help="the clause set checked, as for check (a known "
+                               "upstream bug reproduced exactly is no finding)")
     search_parser.add_argument("--budget", type=int, default=100,
                                help="examples to generate before giving up (default 100)")
     search_parser.add_argument("--shrink-budget", type=int, default=150,

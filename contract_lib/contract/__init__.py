@@ -25,10 +25,11 @@ from contract_lib.contract import counters, stamps, relay, idle, clocks, retired
 from contract_lib.contract.registry import (CLAUSE_OF_FIELD, CLAUSE_SETS, CLAUSES,
                                             EXTENDED_FIELDS, EXTENSION_CLAUSES, EXTENSIONS,
                                             REGISTRY, RFC, Clause, clause, clause_checks,
-                                            extend, origin, register, sglang_finding,
-                                            unregister)
+                                            extend, origin, register, unregister)
+from contract_lib.contract.known import KnownMatch
 from contract_lib.contract.report import (ABORTED_COLUMNS, POOL_ROW, ContractViolation,
-                                          Report, RunDidNotFinish, UntrustedVerdict, VacuousRun,
+                                          KnownUpstreamBug, Report, RunDidNotFinish,
+                                          UntrustedVerdict, VacuousRun,
                                           aborted_requests, assert_contract, check,
                                           check_pool, violation_message)
 
@@ -36,9 +37,10 @@ __all__ = [
     "ABORTED_COLUMNS", "BAD_SLOT_STATES", "CLAUSE_OF_FIELD", "CLAUSE_SETS", "CLAUSES",
     "EXTENDED_FIELDS", "EXTENSION_CLAUSES", "EXTENSIONS", "HOLDS", "MASKED",
     "NOT_EXERCISED", "POOL_ROW", "REGISTRY", "RFC", "SLOT_STATES", "VIOLATED", "VIOLATION_COLUMNS",
-    "Clause", "ClauseResult", "ContractViolation", "NotExercised", "Report",
+    "Clause", "ClauseResult", "ContractViolation", "KnownMatch", "KnownUpstreamBug",
+    "NotExercised", "Report",
     "RunDidNotFinish", "UntrustedVerdict", "VacuousRun", "aborted_requests",
     "assert_contract", "check", "check_pool", "clause", "clause_checks", "extend",
-    "live_mask", "origin", "register", "sglang_finding", "slot_states", "unregister",
+    "live_mask", "origin", "register", "slot_states", "unregister",
     "violation_message",
 ]

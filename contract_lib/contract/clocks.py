@@ -8,18 +8,43 @@ decode and chained launches prefill none).
 
 from __future__ import annotations
 
+import pandas as pd
+
 from contract_lib.contract.base import ClauseResult, NotExercised, result
+from contract_lib.contract.known import PREDICTION_COLUMNS, known_bug, no_prediction
 from contract_lib.contract.registry import EXTENSIONS, clause
 from contract_lib.frames import Frames
 
 
-def _clock_ran_ahead(result_) -> str | None:
-    """Clause 6's catalogued bug (``processed-tokens-counter``) makes the clock run ahead
-    (decode lanes counted as prefill); a clock that lags is not it."""
-    v = result_.violations
-    ahead = [int(a) > int(e) for a, e in zip(v["actual"].str.lstrip("+"),
-                                               v["expected"].str.lstrip("+"))]
-    return "processed-tokens-counter" if all(ahead) else None
+def _advances(frames: Frames, added: dict[int, int]) -> pd.DataFrame:
+    """A prediction of the clock: between each two step boundaries, ``added[step]``
+    tokens (0 where absent) against the tokens the step's launches prefilled."""
+    steps = frames.steps["step"].sort_values().tolist()
+    prefilled = frames.launches.groupby("step")["prefilled_tokens"].sum()
+    rows = [{"field": "processed_tokens_counter", "step": after, "rid": None,
+             "expected": f"+{int(prefilled.get(before, 0))}",
+             "predicted": f"+{int(added.get(before, 0))}"}
+            for before, after in zip(steps[:-1], steps[1:])]
+    return pd.DataFrame(rows, columns=PREDICTION_COLUMNS)
+
+
+@known_bug("processed-tokens-counter")
+def stale_extend_num_tokens(frames: Frames) -> pd.DataFrame:
+    """``run_batch`` adds every launched batch's ``extend_num_tokens`` when it is not
+    zero, and ``prepare_for_decode`` never resets it: a decode batch adds the last
+    prefill's size again. Predicted from what each launch's batch carried."""
+    launches = frames.launches
+    if "extend_num_tokens" not in launches or launches["extend_num_tokens"].isna().all():
+        return no_prediction()  # frames recorded before the column: nothing to match
+    carried = pd.to_numeric(launches["extend_num_tokens"], errors="coerce").fillna(0)
+    added = carried.groupby(launches["step"]).sum().astype("int64")
+    return _advances(frames, added.to_dict())
+
+
+@known_bug("mlx-clock")
+def clock_never_advances(frames: Frames) -> pd.DataFrame:
+    """The MLX loop's launches bypass ``run_batch``, the only writer: the clock stays."""
+    return _advances(frames, {})
 
 
 def _no_clock(frames: Frames) -> str | None:
@@ -32,7 +57,7 @@ def _no_clock(frames: Frames) -> str | None:
 @clause(6, "scheduling clocks advanced", fields=("processed_tokens_counter",),
         audit_fields=("processed_tokens_counter",), origin=EXTENSIONS,
         readers=("calc_priority (HRRN)", "every new arrival's snapshot"),
-        unexercised=_no_clock, finding=_clock_ran_ahead)
+        unexercised=_no_clock)
 def check_clocks(frames: Frames) -> ClauseResult:
     """Clause 6: ``processed_tokens_counter`` advances by the tokens each step prefilled."""
     loop = frames.loop

@@ -41,8 +41,6 @@ class Clause:
     # The ``"all"`` set's check, when an extension adds fields to this clause.
     extended: Check | None = None
     extended_fields: tuple[str, ...] = ()
-    # ClauseResult -> the id of the catalogued SGLang-wide bug its violations are, or None.
-    finding: Callable[[Any], str | None] | None = None
 
 
 REGISTRY: dict[int, Clause] = {}
@@ -85,12 +83,12 @@ def _refresh() -> None:
 
 def clause(number: int, name: str, *, fields: tuple[str, ...] = (),
            audit_fields: tuple[str, ...] = (), readers: tuple[str, ...] = (),
-           origin: str = RFC, unexercised: Callable[[Any], str | None] | None = None,
-           finding: Callable[[Any], str | None] | None = None) -> Callable[[Check], Check]:
+           origin: str = RFC, unexercised: Callable[[Any], str | None] | None = None
+           ) -> Callable[[Check], Check]:
     """Decorator: declare ``number`` checked by the decorated function."""
     def declare(check: Check) -> Check:
         register(Clause(number, name, check, fields, audit_fields, readers, origin,
-                        unexercised, finding=finding))
+                        unexercised))
         return check
     return declare
 
@@ -118,12 +116,3 @@ def clause_checks(clauses: str = "all") -> dict[int, Check]:
 def origin(number: int) -> str:
     """``RFC #32833`` or ``this project's extensions``."""
     return EXTENSIONS if number in EXTENSION_CLAUSES else RFC
-
-
-def sglang_finding(number: int, result) -> str | None:
-    """The catalogued SGLang-wide bug (``data/bugs.toml`` id) a clause's violations are,
-    else None."""
-    declared = REGISTRY.get(number)
-    if declared is None or declared.finding is None or result.violations.empty:
-        return None
-    return declared.finding(result)

@@ -13,9 +13,10 @@ import pandas as pd
 from contract_lib.contract.base import (NOT_EXERCISED, VIOLATION_COLUMNS, ClauseResult,
                                         NotExercised, violations)
 from contract_lib.contract.idle import never_overlapped
+from contract_lib.contract.known import KnownMatch, judge
 from contract_lib.contract.outputs import COLUMNS as OUTPUT_COLUMNS, wrong_outputs
 from contract_lib.contract.registry import (EXTENDED_FIELDS, REGISTRY, Check, clause_checks,
-                                            origin, sglang_finding)
+                                            origin)
 from contract_lib.frames import Frames, run_title
 from contract_lib.verdict import Outcome, Verdict, verdict
 
@@ -48,6 +49,17 @@ class VacuousRun(UntrustedVerdict):
     did not declare as expected to be aborted."""
 
 
+class KnownUpstreamBug(ContractViolation):
+    """Raised by :func:`assert_contract` when the run's only findings are catalogued
+    upstream bugs reproduced exactly (``report.known``): an expected failure. The
+    pytest plugin reports it as ``xfail`` (``--contract-strict-known``: a failure)."""
+
+    def __init__(self, report: "Report") -> None:
+        self.report = report
+        super().__init__("known upstream: " + "; ".join(
+            m.line() for matches in report.known.values() for m in matches))
+
+
 @dataclasses.dataclass
 class Report:
     """The check of one run: a result per clause, the pool check, and the run's fate."""
@@ -66,6 +78,18 @@ class Report:
         default_factory=lambda: pd.DataFrame(columns=OUTPUT_COLUMNS))
     # A finished MLX run damaged the KV pool, either runner's (:mod:`contract_lib.kvpool`).
     kv_damaged: bool = False
+    # Clause -> the catalogued upstream bugs that explain each of its violations exactly
+    # (:mod:`.known`), and the catalogued bugs this run no longer reproduces.
+    known: dict[int, list[KnownMatch]] = dataclasses.field(default_factory=dict)
+    gone: list[KnownMatch] = dataclasses.field(default_factory=list)
+    # Known upstream bugs fail the run too (``--strict-known``).
+    strict_known: bool = False
+
+    def failing(self) -> dict[int, ClauseResult]:
+        """The violated clauses that fail the run: all of them under ``strict_known``,
+        else those not explained exactly by catalogued upstream bugs."""
+        return {n: r for n, r in self.clauses.items() if not r.violations.empty
+                and (self.strict_known or n not in self.known)}
 
     @property
     def ok(self) -> bool:
@@ -142,10 +166,9 @@ class Report:
             if first is not None:
                 lines.append("")
                 lines.append(violation_message(first))
-                finding = sglang_finding(number, result)
-                if finding:
-                    lines.append(f"  (an SGLang-wide finding, not this loop's own: bug "
-                                 f"{finding} in data/bugs.toml)")
+                if number in self.known:
+                    lines.append(f"  (known upstream: {', '.join(m.bug for m in self.known[number])}"
+                                 " in data/bugs.toml, below)")
             elif result.status == NOT_EXERCISED:
                 lines.append("")
                 lines.append(f"clause {number} ({result.name}): not exercised: {result.note}")
@@ -153,6 +176,15 @@ class Report:
             first = self.pool.iloc[0]
             lines.append("")
             lines.append(f"KV pool: first leak at step {first['step']}: {first['explanation']}")
+        if self.known:
+            lines.append("")
+            lines.append("known upstream (catalogued bugs reproduced exactly; "
+                         + ("they fail the run: --strict-known)" if self.strict_known else
+                            "not a failure unless --strict-known)"))
+            lines += [f"  {m.line()}" for matches in self.known.values() for m in matches]
+        if self.gone:
+            lines.append("")
+            lines += [m.line() for m in self.gone]
         for r in self.aborted.itertuples(index=False):
             lines.append("")
             lines.append(f"request {r.rid} aborted by SGLang"
@@ -161,7 +193,7 @@ class Report:
         # A violated run whose table shows nothing red (the outputs safety net) says why.
         unexplained = not leaks and all(r.first() is None for r in self.clauses.values())
         if (outcome.outcome not in (Outcome.PASS, Outcome.VIOLATED) or not self.aborted.empty
-                or (outcome.outcome == Outcome.VIOLATED and unexplained)):
+                or (outcome.outcome == Outcome.VIOLATED and unexplained) or self.known):
             lines.append("")
             lines.append(outcome.line())
         return "\n".join(lines)
@@ -256,17 +288,20 @@ def evaluate(number: int, check_: Check, frames: Frames) -> ClauseResult:
     return ClauseResult(number, NOT_EXERCISED, why, violations(number, frames.loop, []))
 
 
-def check(frames: Frames, clauses: str = "all") -> Report:
+def check(frames: Frames, clauses: str = "all", strict_known: bool = False) -> Report:
     """Check a clause set on one run's frames (whatever its status): ``"all"`` (the
     RFC's five and this project's extensions) or ``"rfc"`` (the RFC's five only); the
-    report's :meth:`Report.verdict` says whether the run earned a pass."""
+    report's :meth:`Report.verdict` says whether the run earned a pass. A clause whose
+    violations are exactly a catalogued upstream bug's (:mod:`.known`) is reported as
+    known upstream and fails the run only with ``strict_known``."""
     checks = clause_checks(clauses)
-    return Report(meta=dict(frames.meta),
-                  clauses={number: evaluate(number, check_, frames)
-                           for number, check_ in checks.items()},
+    results = {number: evaluate(number, check_, frames) for number, check_ in checks.items()}
+    known, gone = judge(frames, results)
+    return Report(meta=dict(frames.meta), clauses=results,
                   pool=check_pool(frames), aborted=aborted_requests(frames),
                   clause_set=clauses, not_overlapping=never_overlapped(frames),
-                  wrong_outputs=wrong_outputs(frames), kv_damaged=_kv_damaged(frames))
+                  wrong_outputs=wrong_outputs(frames), kv_damaged=_kv_damaged(frames),
+                  known=known, gone=gone, strict_known=strict_known)
 
 
 def _kv_damaged(frames: Frames) -> bool:
@@ -280,16 +315,20 @@ def _kv_damaged(frames: Frames) -> bool:
     return kvpool.damaged(frames)
 
 
-def assert_contract(frames: Frames, clauses: str = "all") -> Report:
+def assert_contract(frames: Frames, clauses: str = "all", strict_known: bool = False
+                    ) -> Report:
     """Return the report of a run that passes, else raise.
 
     :class:`ContractViolation` for the lowest violated clause (the message starts
     ``clause N (name): field F``, for pytest), even from a run that did not finish, else
     for SGLang's pool conservation law not balancing (``KV pool conservation ...``);
     otherwise :class:`RunDidNotFinish` (crashed, died, timeout, set-up failure, another
-    loop) or :class:`VacuousRun` (no clause exercised, an unexpected aborted request)."""
-    report = check(frames, clauses)
-    for result in report.clauses.values():
+    loop) or :class:`VacuousRun` (no clause exercised, an unexpected aborted request);
+    and, for a run that passes but reproduces catalogued upstream bugs exactly,
+    :class:`KnownUpstreamBug` (pytest reports it as ``xfail``). With ``strict_known`` a
+    known bug's clause is a plain :class:`ContractViolation`."""
+    report = check(frames, clauses, strict_known)
+    for result in report.failing().values():
         first = result.first()
         if first is not None:
             raise ContractViolation(violation_message(first))
@@ -302,4 +341,6 @@ def assert_contract(frames: Frames, clauses: str = "all") -> Report:
         raise VacuousRun(outcome, report.meta)
     if outcome.outcome != Outcome.PASS:
         raise RunDidNotFinish(outcome, report.meta)
+    if report.known:
+        raise KnownUpstreamBug(report)
     return report
