@@ -58,7 +58,8 @@ from contract_lib.harness import frames_or_raise, run_many
 from contract_lib.patches import patch_spec
 from contract_lib.protocol import RunSetupError
 from contract_lib.sources import Source, resolve
-from contract_lib.status import SETUP_ERROR, SGLANG_WIDE, VACUOUS, Status, default_loops
+from contract_lib.status import (KNOWN_UPSTREAM, SETUP_ERROR, VACUOUS, Status,
+                                 default_loops)
 from contract_lib.verdict import ExitCode, Outcome
 from contract_lib.workloads import load_workload, workload_names
 
@@ -84,7 +85,7 @@ PRECEDENCE = (Change.INTERRUPTED, Change.USAGE, Change.BROKE, Change.NOT_FINISHE
               Change.VACUOUS, Change.FIXED, Change.KEPT)
 # Cell statuses; ``damaged`` / ``intact``: the real runner's MLX KV pool row; ``leak`` /
 # ``balanced``: SGLang's pool conservation row (shown when a side leaked).
-_BAD = {VIOLATED, MASKED, SGLANG_WIDE, "damaged", "leak"}
+_BAD = {VIOLATED, MASKED, KNOWN_UPSTREAM, "damaged", "leak"}
 _CLEAN = {HOLDS, NOT_EXERCISED, "intact", "balanced"}
 _FATES = {SETUP_ERROR: Change.USAGE, VACUOUS: Change.VACUOUS,
           "interrupted": Change.INTERRUPTED}
@@ -229,6 +230,39 @@ class Comparison:
         base, head = (self.violated(side, int(number), loop) for side in (0, 1))
         return len(head - base), len(base - head)
 
+    def _fields(self, clause: str, loop: str, change: str) -> str:
+        """`` [field F at step S on W, ...]``: each field a fixed (broke, worse, better)
+        clause row violates on the side that has it (the base for fixed and better, the
+        head otherwise; for worse and better only the new or gone ones), at its first
+        step; for a fixed row, the catalogued upstream bugs that no longer reproduce."""
+        number = clause.split(" ", 1)[0]
+        if not number.isdigit():
+            return ""
+        side = 0 if change in ("fixed", "better") else 1
+        keep = None
+        if change in ("worse", "better"):
+            base, head = (self.violated(s, int(number), loop) for s in (0, 1))
+            keep = head - base if change == "worse" else base - head
+        first: dict[str, tuple[int, str, str]] = {}
+        for (workload, run_loop), report in self.reports(side).items():
+            result = report.clauses.get(int(number))
+            if run_loop != loop or result is None:
+                continue
+            for v in result.violations.itertuples(index=False):
+                if keep is not None and (workload, str(v.field), str(v.rid)) not in keep:
+                    continue
+                where = (int(v.step), workload, "" if v.rid is None else f", request {v.rid}")
+                first[v.field] = min(first.get(v.field, where), where)
+        named = [f"field {field} at step {step} on {workload}{rid}"
+                 for field, (step, workload, rid) in sorted(first.items(),
+                                                            key=lambda f: f[1])]
+        if change == "fixed":
+            gone = sorted({m.bug for (_, run_loop), report in self.reports(1).items()
+                           if run_loop == loop for m in report.gone
+                           if m.clause == int(number)})
+            named += [f"known upstream bug {bug} no longer reproduces" for bug in gone]
+        return f" [{'; '.join(named)}]" if named else ""
+
     def run_table(self) -> pd.DataFrame:
         """One row per (workload, loop): tokens equal, later turns' radix reuse, the KV
         pool on each side, and the first step whose frames differ."""
@@ -265,7 +299,7 @@ class Comparison:
         said = "; ".join(f"{r.change} {r.clause} on {r.loop}" + (
             " ({} (workload, field, request) violations new, {} gone)".format(
                 *self._delta(r.clause, r.loop)) if r.change in ("worse", "better") else "")
-            for r in changed.itertuples())
+            + self._fields(r.clause, r.loop, r.change) for r in changed.itertuples())
         for side, name in enumerate(("base", "head")):
             for workload, loop, fate in Status(self.reports(side)).runs_not_finished():
                 lines.append(f"run {workload} on {loop} ({name}): {fate}")

@@ -128,9 +128,10 @@ views.md(
 # **This is now clause 6, "scheduling clocks advanced"** (`contract_lib/contract/clocks.py`,
 # an extension of the RFC's five clauses, checked by default): at every step boundary
 # the clock has advanced by exactly the tokens the previous step's launches prefilled.
-# The torch loops fail it (a catalogued SGLang-wide bug, `processed-tokens-counter`,
-# reported as such in the status table rather than as a torch failure), and the MLX loop
-# fails it at every prefill.
+# The torch loops fail it exactly as the catalogued upstream bug
+# `processed-tokens-counter` predicts (each batch's stale `extend_num_tokens`), and the
+# MLX loop at every prefill (`mlx-clock`): both are reported as `known upstream`, not as
+# failures unless `--strict-known`.
 #
 # ### `Req.decode_batch_idx`: the per-request decode step count
 #

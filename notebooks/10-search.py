@@ -97,9 +97,9 @@ print(finding.line)
 #
 # The minimal workload run through the MLX loop, its per-step table and its clause
 # table (all clauses, the RFC's five and this project's 6 and 7). The torch `normal` loop
-# on the same workload holds the RFC's five; it violates clause 6 only as the catalogued
-# SGLang-wide bug (`fix-processed-tokens-counter`), which `search` does not count as a
-# finding.
+# on the same workload holds the RFC's five; it violates clause 6 only as the known
+# upstream bug `processed-tokens-counter` (fixed by `fix-processed-tokens-counter`), which
+# `search` does not count as a finding.
 
 # %%
 frames = contract_lib.run(workload, "mlx")

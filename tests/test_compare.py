@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from contract_lib import compare as cmp
@@ -49,7 +51,7 @@ def test_a_bad_side_is_a_usage_error(text, expected):
 @pytest.mark.parametrize("base, head, change", [
     (VIOLATED, HOLDS, cmp.Change.FIXED),
     (MASKED, HOLDS, cmp.Change.FIXED),
-    (cmp.SGLANG_WIDE, HOLDS, cmp.Change.FIXED),
+    (cmp.KNOWN_UPSTREAM, HOLDS, cmp.Change.FIXED),
     (HOLDS, VIOLATED, cmp.Change.BROKE),
     (NOT_EXERCISED, MASKED, cmp.Change.BROKE),
     (VIOLATED, VIOLATED, cmp.Change.KEPT),
@@ -113,13 +115,27 @@ def test_a_clause_both_sides_violate_can_get_worse_or_better():
                         workloads=["two-turn"], loops=["mlx"], progress=False)
     assert _changes(worse)[("7", "mlx")] == "worse"
     assert worse.outcome() == cmp.Change.BROKE
-    assert worse.text().endswith("compare: broke (exit 1): worse 7 request state retired "
-                                 "on mlx (6 (workload, field, request) violations new, 0 "
-                                 "gone)")
+    assert re.search(r"compare: broke \(exit 1\): worse 7 request state retired on mlx \(6 "
+                     r"\(workload, field, request\) violations new, 0 gone\) \[field "
+                     r"tp_worker\.\S+ at step \d+ on two-turn, request \w+", worse.text())
     better = cmp.compare("patch=user_patches:stale_rids_kept_by_the_runner", None,
                          workloads=["two-turn"], loops=["mlx"], progress=False)
     assert _changes(better)[("7", "mlx")] == "better"
     assert better.outcome() == cmp.Change.KEPT
+
+
+def test_every_fixed_or_broken_clause_names_its_fields_and_first_step():
+    """``compare`` said "broke 3 step stamped" and never named ``launch_ts``; ``check``
+    does. A fixed known upstream bug says it no longer reproduces."""
+    broke = cmp.compare(None, "patch=no-launch-ts", workloads=["two-turn"], loops=["mlx"],
+                        progress=False)
+    assert "broke 3 step stamped on mlx [field launch_ts at step 1 on two-turn]" in \
+        broke.text()
+    fixed = cmp.compare(None, "patch=fix-processed-tokens-counter", workloads=["two-turn"],
+                        loops=["normal"], progress=False)
+    assert ("fixed 6 scheduling clocks advanced on normal [field processed_tokens_counter "
+            "at step 2 on two-turn; known upstream bug processed-tokens-counter no longer "
+            "reproduces]") in fixed.text()
 
 
 def test_a_run_that_did_not_finish_says_why():

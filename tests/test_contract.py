@@ -122,7 +122,7 @@ def test_clause3_fails_on_an_idle_gap_not_stamped(good):
     first = _only(check(good), 3)
     assert (first["field"], first["expected"], first["actual"]) == ("after_idle_gap", True,
                                                                      False)
-    assert "launched nothing" in first["explanation"]
+    assert "ended with nothing to run" in first["explanation"]
 
 
 @pytest.mark.fast
@@ -740,6 +740,30 @@ def test_a_launch_after_an_idle_gap_stamped_contiguous_breaks_clause_3(run_cache
     first = report.clauses[3].first()
     assert (first["field"], first["expected"], first["actual"]) == ("after_idle_gap", True,
                                                                      False)
+
+
+@pytest.mark.parametrize("loop", ["normal", "overlap", "mlx"])
+def test_an_idle_pass_after_a_launch_in_the_same_iteration_is_an_idle_gap(run_cached, loop):
+    """The MLX loop idles in the iteration whose chain broke, after launching: the next
+    launch says after_idle_gap (it did pass through on_idle). Both reviewers' cases read
+    it as a violation (an idle gap only after an iteration that launched nothing); it is
+    the torch loops' own rule: since the previous launch, an iteration ended with nothing
+    to run (last_batch None). Stamped contiguous, it is still a violation."""
+    base = ("fix-chained-accounting+fix-idle-predicate+fix-processed-tokens-counter"
+            if loop == "mlx" else "fix-processed-tokens-counter")
+    workload = str(WORKLOADS_DIR / "idle-after-chain.toml")
+    frames = run_cached(workload, loop, base)
+    assert check(frames).clauses[3].status == HOLDS
+    launches = frames.launches
+    b = launches[launches["rids"] == "b"].iloc[0]
+    before = launches[launches["launch"] < b["launch"]].iloc[-1]
+    assert bool(b["processed_after_idle_gap"])
+    # MLX: the previous launch is in the iteration just before (it launched, then idled)
+    assert int(b["step"] - before["step"]) == (1 if loop == "mlx" else 2)
+    broken = check(run_cached(workload, loop, f"{base}+user_patches:idle_gap_not_stamped"))
+    first = broken.clauses[3].first()
+    assert (first["field"], first["launch"], first["expected"], first["actual"]) == (
+        "after_idle_gap", b["launch"], True, False)
 
 
 @pytest.mark.parametrize("loop", ["normal", "overlap", "mlx"])

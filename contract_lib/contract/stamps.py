@@ -6,12 +6,14 @@ receives for it carries ``forward_iter == forward_ct`` of that launch and a set
 one), increasing over launches, and taken at the launch on the loop's clock
 (``time.monotonic()``, as SGLang stamps it and the frames' ``wall_time`` is taken):
 between the step boundary the launch followed and the next one. And ``after_idle_gap``
-(where the release has it) says whether an iteration launched nothing since the
-previous launch (``_record_step_counters`` reads it to time the step).
+(where the release has it) says whether the scheduler idled since the previous launch:
+an iteration ended with nothing to run (``_record_step_counters`` reads it to time the
+step; docs/contract.md, "after_idle_gap", says why both loops' shapes are right).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 from contract_lib.contract.base import ClauseResult, result
@@ -55,10 +57,20 @@ def check_stamps(frames: Frames) -> ClauseResult:
     earliest = processed["step"].map(clock)
     latest = (processed["step"] + 1).map(clock).fillna(float("inf"))
     off_clock = processed[(ts < earliest) | (ts > latest)]
-    # An iteration that launched nothing (a step no launch is at) is an idle gap: the
-    # next launch's batch must say so (launch steps never decrease over launches).
+    # An idle gap: since the previous launch, an iteration ended with nothing to run.
+    # SGLang's loops set ``_sched_idled`` exactly where they leave ``last_batch`` None:
+    # torch, an iteration that launched nothing; MLX, also one whose chain broke and
+    # then found nothing (after launching). So the boundaries after the previous
+    # launch's step, up to this launch's, show ``last_batch`` None (boundary 0, before
+    # any iteration, shows the initial None, not an idle iteration).
     previous_step = launches["step"].shift(1, fill_value=-1)[processed.index]
-    after_gap = processed["step"] - previous_step > 1
+    steps = frames.steps
+    idle = np.sort(steps.loc[steps["last_batch_mode"].isna() & (steps["step"] >= 1),
+                             "step"].to_numpy(dtype="int64"))
+    after_gap = pd.Series(
+        np.searchsorted(idle, processed["step"].to_numpy(), side="right")
+        > np.searchsorted(idle, previous_step.to_numpy() + 1, side="left"),
+        index=processed.index)
     stamped_gap = processed["processed_after_idle_gap"]
     bad_gap = processed[stamped_gap.notna() & (stamped_gap.astype(object) != after_gap)]
     parts = []  # a table per kind of violation found (each ~1 ms of pandas to build)
@@ -107,10 +119,11 @@ def check_stamps(frames: Frames) -> ClauseResult:
         parts.append(_rows(
             "after_idle_gap", bad_gap, "processed_step", gap.astype(object),
             bad_gap["processed_after_idle_gap"].astype(object),
-            [f"steps {int(low) + 1} to {int(high) - 1} launched nothing before this launch"
-             if idle else f"the previous launch was at step {int(low)}, this one at "
-             f"{int(high)}: no idle iteration between" for idle, low, high in
-             zip(gap, previous_step[bad_gap.index], bad_gap["step"])]))
+            [f"an iteration between the previous launch (step {int(low)}) and this one "
+             f"(step {int(high)}) ended with nothing to run (last_batch None)"
+             if idled else f"the previous launch was at step {int(low)}, this one at "
+             f"{int(high)}: every iteration between ended with a batch" for idled, low, high
+             in zip(gap, previous_step[bad_gap.index], bad_gap["step"])]))
         parts[-1]["explanation"] += ("; _record_step_counters times a step after an idle "
                                      "gap from its own launch, not the previous step's")
     rows = pd.concat(parts or [pd.DataFrame(columns=["step"])])
