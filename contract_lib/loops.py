@@ -20,6 +20,8 @@ REFERENCE, CANDIDATE = "reference", "candidate"
 # built by its ``__init__`` and fed through a scripted ``request_receiver``; ``omni``:
 # sglang-omni's ``OmniScheduler`` (:mod:`contract_lib.omni`), fed through its inbox.
 SGLANG, OMNI = "sglang", "omni"
+# PD-disaggregation roles (``ServerArgs.disaggregation_mode``).
+PREFILL, DECODE = "prefill", "decode"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +35,9 @@ class LoopSpec:
     # ServerArgs.disable_overlap_schedule the loop needs (SGLang picks its loop from it).
     disable_overlap_schedule: bool = False
     mlx: bool = False  # the MLX backend: SGLANG_USE_MLX, its runtime gate, runner, mixin
+    # ServerArgs.disaggregation_mode (PREFILL or DECODE: a PD-disaggregation loop on
+    # SGLang's fake transfer backend; None: SGLang's "null")
+    disaggregation: str | None = None
     sglang: str | None = None  # the SGLang release the loop is pinned to, if any
     in_flight: str = "result_queue"  # where launched-but-unprocessed work waits (clause 5)
     default: bool = True  # ``status``/``audit`` run it when no loop is named
@@ -51,6 +56,10 @@ def register(spec: LoopSpec) -> LoopSpec:
         raise ValueError(f"loop {spec.name!r}: role must be {REFERENCE!r} or {CANDIDATE!r}")
     if spec.family not in (SGLANG, OMNI):
         raise ValueError(f"loop {spec.name!r}: family must be {SGLANG!r} or {OMNI!r}")
+    if spec.disaggregation not in (None, PREFILL, DECODE) or (
+            spec.disaggregation and (spec.mlx or spec.family != SGLANG)):
+        raise ValueError(f"loop {spec.name!r}: disaggregation must be None, {PREFILL!r} or "
+                         f"{DECODE!r}, on the torch family")
     LOOP_SPECS[spec.name] = spec
     return spec
 
@@ -86,8 +95,13 @@ def reference_names() -> tuple[str, ...]:
     return tuple(n for n, s in LOOP_SPECS.items() if s.reference)
 
 
-def dispatched_function(disable_overlap_schedule: bool, mlx: bool) -> str:
-    """The event loop SGLang's ``run_event_loop`` dispatch enters for these settings."""
+def dispatched_function(disable_overlap_schedule: bool, mlx: bool,
+                        disaggregation: str | None = None) -> str:
+    """The event loop SGLang's dispatch enters for these settings
+    (``_dispatch_event_loop_once``, ``managers/scheduler.py:6218``; one pipeline stage)."""
+    if disaggregation in (PREFILL, DECODE):
+        kind = "normal" if disable_overlap_schedule else "overlap"
+        return f"event_loop_{kind}_disagg_{disaggregation}"
     if disable_overlap_schedule:
         return "event_loop_normal"
     return "event_loop_overlap_mlx" if mlx else "event_loop_overlap"
@@ -104,6 +118,23 @@ register(LoopSpec("overlap", REFERENCE, "event_loop_overlap",
                   note="SGLang's torch overlap loop"))
 register(LoopSpec("mlx", CANDIDATE, "event_loop_overlap_mlx", mlx=True,
                   note="SGLang's MLX overlap loop (the real mixin, on MLX's CPU backend)"))
+register(LoopSpec("mlx-normal", CANDIDATE, "event_loop_normal", disable_overlap_schedule=True,
+                  mlx=True, default=False,
+                  note="SGLang's MLX backend without overlap (disable_overlap_schedule): "
+                       "event_loop_normal, its forward through MlxTpModelWorker"))
+# The PD-disaggregation loops on SGLang's fake transfer backend: the prefill side
+# prefills and hands each request off; the decode side admits requests already
+# prefilled (their prompt KV and first token arrive by transfer) and decodes.
+for _role in (PREFILL, DECODE):
+    for _overlap in (False, True):
+        register(LoopSpec(
+            f"disagg-{_role}-{'overlap' if _overlap else 'normal'}", CANDIDATE,
+            dispatched_function(not _overlap, False, _role),
+            disable_overlap_schedule=not _overlap, disaggregation=_role,
+            in_flight=("result_queue+" if _overlap else "") + "disaggregation queues",
+            default=False,
+            note=f"SGLang's PD-disaggregation {_role} loop"
+                 f"{' with overlap' if _overlap else ''} (fake KV transfer backend)"))
 register(LoopSpec("omni", CANDIDATE, "event_loop_async_decode", family=OMNI, sglang="0.5.22",
                   in_flight="async_pending", default=False,
                   # a pinned loop's note names the pin (it is the set-up error's text)
