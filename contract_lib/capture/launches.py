@@ -119,6 +119,23 @@ class LaunchRecording:
             tokens = ",".join(str(self.produced.get(rid, "")) for rid in rids)
             self.emit(("update", "launches", "launch", number, {"tokens": tokens}))
 
+    def on_prebuilt(self, batch) -> None:
+        """A decode side's prebuilt batch: its requests' KV is there without a forward
+        (transferred, or restored after a retraction): ``kv_computed`` is its
+        ``seq_lens`` entry, and so is ``kv_prefilled`` (the decode steps count from
+        there); the latest token is the one ``process_prebuilt`` stashed for the first
+        decode (``output_ids[-1]``: on its first admission the remote prefill's
+        hand-off token)."""
+        taken = []
+        for req, seq_len in zip(batch.reqs, batch.seq_lens.tolist()):
+            rid, token = req.rid, int(req.output_ids[-1])
+            transfer = rid not in self.handed_off
+            self.handed_off.add(rid)
+            self.kv_computed[rid] = self.kv_prefilled[rid] = int(seq_len)
+            self.latest_token[rid] = token
+            taken.append(("prebuilt", (self.step, rid, int(seq_len), token, transfer)))
+        self._emit_rows(taken)
+
     def on_processed(self, batch, result) -> None:
         if self.resolving is not None:
             launch, self.resolving = self.resolving, None

@@ -12,8 +12,9 @@ from contract_lib.capture.batches import NumpyView
 from contract_lib.capture.hooks import HookInstaller
 from contract_lib.capture.launches import LaunchRecording
 from contract_lib.capture.snapshot import StepSnapshot
-from contract_lib.loops import OMNI, LoopSpec
-from contract_lib.shims import abort_request, omni_request_message, tokenized_request
+from contract_lib.loops import DECODE, OMNI, PREFILL, LoopSpec
+from contract_lib.shims import (abort_request, bootstrap_fields, omni_request_message,
+                                tokenized_request)
 from contract_lib.workloads import RequestSpec, Workload
 
 Emit = Callable[[tuple], None]
@@ -77,6 +78,8 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
         self.loop = loop_spec.name
         self.mlx = loop_spec.mlx  # the MLX mixin's launch hooks and relay import
         self.omni = loop_spec.family == OMNI  # sglang-omni's ingress, resolve and queue
+        self.disaggregation = loop_spec.disaggregation  # PD role: bootstrap, queues, prebuilt
+        self.handed_off: set[str] = set()  # decode side: requests whose KV was transferred
         self.workload = workload
         self.emit = emit
         self.step = -1
@@ -160,7 +163,7 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
         return (len(self.fed) == len(self.workload.requests)
                 and all(self.ended(req) for req in self.reqs.values())
                 and len(self.reqs) == len(self.workload.requests)
-                and self._in_flight() == 0)
+                and self._in_flight() == 0 and not self._disagg_queued())
 
     def ended(self, req) -> bool:
         """Finished, or ended by an ``AbortReq`` output (SGLang pops a request aborted
@@ -173,6 +176,43 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
         if self.omni:
             return int(self.s.async_pending is not None)
         return len(getattr(self.s, "result_queue", ()) or ())
+
+    def _disagg_queued(self) -> int | None:
+        """Requests in the PD-disaggregation queues SGLang's ``is_fully_idle`` reads
+        (``managers/scheduler.py:5373-5381``): prefill's bootstrap and inflight (transfer)
+        queues; decode's preallocation (and retracted) and transfer queues, and its held
+        releases of transfers aborted midway. None on another loop."""
+        if not self.disaggregation:
+            return None
+        held = (self.s.disagg_decode_transfer_queue.num_pending_deferred_releases()
+                if self.disaggregation == DECODE else 0)
+        return len(self._disagg_parked(waiting=False)) + held
+
+    def _disagg_parked(self, waiting: bool) -> list:
+        """The requests a PD-disaggregation loop keeps in its queues rather than in a
+        batch (prefill: bootstrap, inflight; decode: preallocation, retracted, transfer,
+        and with ``waiting`` its waiting queue, whose requests hold their transferred KV
+        until a prebuilt batch admits them, ``managers/scheduler.py:5357-5359``)."""
+        s = self.s
+        if self.disaggregation == PREFILL:
+            return [*s.disagg_prefill_bootstrap_queue.queue, *s.disagg_prefill_inflight_queue]
+        if self.disaggregation == DECODE:
+            prealloc, transfer = s.disagg_decode_prealloc_queue, s.disagg_decode_transfer_queue
+            return [*(d.req for d in prealloc.queue), *prealloc.retracted_queue,
+                    *(d.req for d in transfer.queue), *(s.waiting_queue if waiting else ())]
+        return []
+
+    def disagg_parked_kv(self) -> int:
+        """The KV those parked requests hold (SGLang's ``kv_private_tokens`` each): a term
+        of the pool's conservation law SGLang's own checker does not see
+        (``_requests_owning_rows`` reads the batches only, ``invariant_checker.py:274``;
+        SGLang runs that law on these loops only once fully idle)."""
+        from sglang.srt.managers.scheduler_components.pool_stats_observer import (
+            kv_private_tokens)
+
+        page = self.s.token_to_kv_pool_allocator.page_size
+        return sum(kv_private_tokens(req.kv, page) for req in self._disagg_parked(True)
+                   if req.kv.holds_kv)
 
     def _overlaps(self) -> bool:
         """Whether the loop can carry in-flight work (omni: ``enable_async_decode``)."""
@@ -203,7 +243,10 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
         if self.omni:
             self.s.inbox.put(omni_request_message(spec.rid, prompt, spec.sampling()))
         else:
-            self.s.request_receiver.pending.append(tokenized_request(spec, prompt))
+            bootstrap = (bootstrap_fields(self.disaggregation, len(self.fed))
+                         if self.disaggregation else {})
+            self.s.request_receiver.pending.append(
+                tokenized_request(spec, prompt, **bootstrap))
         self.fed.add(spec.rid)
         self.fed_prompts[spec.rid] = prompt
         if self.capture:  # every prompt fed so far (clause 1 compares the slots' tokens)

@@ -24,7 +24,8 @@ class StepSnapshot:
             self._idle_probe(), self._overlaps(), bool(s.enable_overlap_mlx),
             0 if running is None else len(running.reqs), mode_name(running),
             mode_name(last), len(s.waiting_queue), *self._pool_terms(), *self._row_terms(),
-            time.monotonic(), getattr(s, "processed_tokens_counter", None))))
+            time.monotonic(), getattr(s, "processed_tokens_counter", None),
+            self._disagg_queued())))
         seq_lens = self._seq_lens(running, last)
         rtt = self.req_to_token_view.of(s.req_to_token_pool.req_to_token)  # sliced in numpy
         free = None  # the free-slot mask, taken at the first live row
@@ -58,18 +59,23 @@ class StepSnapshot:
         self.emit(("rows", rows, slot_rows))
 
     def _idle_probe(self) -> bool:
-        """``is_fully_idle`` with every term but the in-flight one masked to idle, as each
+        """``is_fully_idle`` with every term but the in-flight ones masked to idle, as each
         of its callers may ask (no arguments; each of its flags, such as the health
         check's ``for_health_check`` or the flush's ``ignore_waiting``, alone; all of
         them together): True when any of them says idle. The flags are tried only when
-        the plain call says busy (work in flight)."""
+        the plain call says busy (work in flight). When the only work in flight is in
+        the PD-disaggregation queues, the health check is not asked: SGLang excludes
+        those queues from it by design (``managers/scheduler.py:5338-5342``, :5369)."""
         s = self.s
+        arguments = self.idle_arguments
+        if not self._in_flight() and self._disagg_queued():
+            arguments = [a for a in arguments if not a.get("for_health_check")]
         saved = (s.running_batch, s.last_batch, s.chunked_req, s.waiting_queue)
         try:
             s.running_batch = EmptyBatch()
             s.last_batch, s.chunked_req, s.waiting_queue = None, None, []
             return bool(s.is_fully_idle()) or any(
-                bool(s.is_fully_idle(**arguments)) for arguments in self.idle_arguments)
+                bool(s.is_fully_idle(**a)) for a in arguments)
         finally:
             s.running_batch, s.last_batch, s.chunked_req, s.waiting_queue = saved
 
@@ -90,10 +96,11 @@ class StepSnapshot:
     def _pool_terms(self) -> tuple[int, int, int, int, int, bool]:
         """SGLang's own KV pool conservation terms (``InvariantChecker``), and its verdict:
         ``kv_total``, ``kv_available``, ``kv_evictable``, ``kv_protected``,
-        ``kv_uncached``, ``pool_leak``."""
+        ``kv_uncached``, ``pool_leak``; on a PD-disaggregation loop ``kv_uncached``
+        also holds the KV of requests parked in its queues (:meth:`disagg_parked_kv`)."""
         checker = self.invariant_checker
         stats = checker.pool_stats_observer.get_pool_stats()
-        uncached = uncached_sizes(checker)
+        uncached = uncached_sizes(checker) + self.disagg_parked_kv()
         leak, _message = checker._check_full_pool(stats, uncached=uncached)
         return (int(self.s.max_total_num_tokens), int(stats.full_available_size),
                 int(stats.full_evictable_size), int(self.s.tree_cache.protected_size()),
