@@ -198,7 +198,7 @@ def test_tokens_the_model_did_not_compute_fail_a_run_no_clause_faults(good):
 def test_request_ids_with_commas_read_as_lanes():
     """``launches.rids`` joins request ids with commas, and an id is free text: a run with
     a request "p,q" was a clause 2 false red (its lanes read as "p" and "q")."""
-    from contract_lib.contract.counters import _lanes
+    from contract_lib.contract.emitted import _lanes
 
     assert _lanes("p,q,r", {"p,q", "r"}, 2) == ["p,q", "r"]
     assert _lanes("p,q,r", {"p", "p,q", "r"}, 2) is None  # ambiguous: not judged
