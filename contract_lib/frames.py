@@ -61,7 +61,8 @@ Tables (pandas DataFrames; the column lists below are the schema):
 
 - ``prebuilt`` (PD-disaggregation decode side): every request a prebuilt batch admitted
   (``get_new_prebuilt_batch``: no forward; its KV arrived by transfer, or was restored
-  after a retraction): ``seq_len`` the positions its KV holds, ``token`` its latest
+  after a retraction): ``kv_computed`` the positions whose KV it put in place (the
+  prompt fed and the tokens emitted, less the last), ``token`` its latest
   token (the one the first decode is fed), ``transfer`` True for the admission of the
   transferred KV (``token`` is then the remote prefill's first token, the hand-off),
   False for a re-admission after a retraction.
@@ -124,7 +125,7 @@ COLUMNS: dict[str, list[str]] = {
     "backend_state": ["step", "rid", "structure", "row"],
     "evictions": ["step", "need", "available", "asked", "evictable_before",
                   "evictable_after"],
-    "prebuilt": ["step", "rid", "seq_len", "token", "transfer"],
+    "prebuilt": ["step", "rid", "kv_computed", "token", "transfer"],
 }
 
 WALL_CLOCK_COLUMNS: dict[str, list[str]] = {

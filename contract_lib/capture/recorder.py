@@ -4,6 +4,7 @@ its hooks, launch records and snapshot are the three parts it is built from."""
 from __future__ import annotations
 
 import collections
+import contextlib
 from typing import Any, Callable
 
 import numpy as np
@@ -188,6 +189,12 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
                 if self.disaggregation == DECODE else 0)
         return len(self._disagg_parked(waiting=False)) + held
 
+    def _retracted_parked(self) -> int:
+        """A decode side's retracted requests waiting to resume (0 on other loops)."""
+        if self.disaggregation != DECODE:
+            return 0
+        return len(self.s.disagg_decode_prealloc_queue.retracted_queue)
+
     def _disagg_parked(self, waiting: bool) -> list:
         """The requests a PD-disaggregation loop keeps in its queues rather than in a
         batch (prefill: bootstrap, inflight; decode: preallocation, retracted, transfer,
@@ -201,6 +208,27 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
             return [*(d.req for d in prealloc.queue), *prealloc.retracted_queue,
                     *(d.req for d in transfer.queue), *(s.waiting_queue if waiting else ())]
         return []
+
+    @contextlib.contextmanager
+    def masked_disagg_queues(self):
+        """The disaggregation queues emptied for the time of an idle probe (a decode
+        side's held releases too: ``has_pending_deferred_releases`` reads that list)."""
+        s = self.s
+        if self.disaggregation == PREFILL:
+            holders = [(s.disagg_prefill_bootstrap_queue, "queue"),
+                       (s, "disagg_prefill_inflight_queue")]
+        else:
+            prealloc, transfer = s.disagg_decode_prealloc_queue, s.disagg_decode_transfer_queue
+            holders = [(prealloc, "queue"), (prealloc, "retracted_queue"),
+                       (transfer, "queue"), (transfer, "_deferred_releases")]
+        saved = [getattr(owner, name) for owner, name in holders]
+        try:
+            for owner, name in holders:
+                setattr(owner, name, [])
+            yield
+        finally:
+            for (owner, name), value in zip(holders, saved):
+                setattr(owner, name, value)
 
     def disagg_parked_kv(self) -> int:
         """The KV those parked requests hold (SGLang's ``kv_private_tokens`` each): a term

@@ -3,6 +3,8 @@ rows' ``req_to_token`` entries, and the backend's per-request state, sent as one
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import time
 from typing import Any
 
@@ -63,21 +65,44 @@ class StepSnapshot:
         of its callers may ask (no arguments; each of its flags, such as the health
         check's ``for_health_check`` or the flush's ``ignore_waiting``, alone; all of
         them together): True when any of them says idle. The flags are tried only when
-        the plain call says busy (work in flight). When the only work in flight is in
-        the PD-disaggregation queues, the health check is not asked: SGLang excludes
-        those queues from it by design (``managers/scheduler.py:5338-5342``, :5369)."""
+        the plain call says busy (work in flight). A PD-disaggregation loop's queues
+        are asked about alone (and the overlap loop's ``result_queue`` alone), so one
+        term cannot answer for the other; the health check is asked about those queues
+        only for a decode side's retracted requests: SGLang leaves the others out of it
+        by design (``managers/scheduler.py:5338-5342``, :5369), not those (:5361-5367)."""
         s = self.s
-        arguments = self.idle_arguments
-        if not self._in_flight() and self._disagg_queued():
-            arguments = [a for a in arguments if not a.get("for_health_check")]
+        everyone, queued, in_flight = self.idle_arguments, self._disagg_queued(), self._in_flight()
+        queue_callers = everyone if self._retracted_parked() else [
+            a for a in everyone if not a.get("for_health_check")]
         saved = (s.running_batch, s.last_batch, s.chunked_req, s.waiting_queue)
         try:
             s.running_batch = EmptyBatch()
             s.last_batch, s.chunked_req, s.waiting_queue = None, None, []
-            return bool(s.is_fully_idle()) or any(
-                bool(s.is_fully_idle(**a)) for a in arguments)
+            if not queued:
+                return self._says_idle(everyone)
+            if not in_flight:
+                return self._says_idle(queue_callers)
+            with self.masked_disagg_queues():
+                queue_alone = self._says_idle(everyone)
+            with self._masked_result_queue():
+                return queue_alone or self._says_idle(queue_callers)
         finally:
             s.running_batch, s.last_batch, s.chunked_req, s.waiting_queue = saved
+
+    def _says_idle(self, arguments: list[dict[str, bool]]) -> bool:
+        """Whether ``is_fully_idle`` says idle plainly or with any of ``arguments``."""
+        s = self.s
+        return bool(s.is_fully_idle()) or any(bool(s.is_fully_idle(**a)) for a in arguments)
+
+    @contextlib.contextmanager
+    def _masked_result_queue(self):
+        """The overlap loop's ``result_queue`` emptied for the time of a probe."""
+        saved = self.s.result_queue
+        self.s.result_queue = collections.deque()
+        try:
+            yield
+        finally:
+            self.s.result_queue = saved
 
     def find_idle_arguments(self) -> None:
         """Set ``idle_arguments``: the ways to call ``is_fully_idle`` other than plainly,

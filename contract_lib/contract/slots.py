@@ -151,16 +151,16 @@ def _slot_positions(frames: Frames) -> pd.DataFrame:
 def _prebuilt_writes(frames: Frames) -> pd.DataFrame:
     """``(step, slot, position, rid)``: the KV a PD decode side's prebuilt batch put in
     place without a forward (transferred from the prefill side, or restored after a
-    retraction, ``restore_kv_cache``), in the slots of positions ``< seq_len`` its row
-    records at the next boundary ``step`` (``prepare_for_prebuilt`` reads the batch's
-    ``out_cache_loc`` off that row, ``decode_schedule_batch_mixin.py:44-52``)."""
+    retraction, ``restore_kv_cache``), in the slots of positions ``< kv_computed`` its
+    row records at the next boundary ``step`` (``prepare_for_prebuilt`` reads the
+    batch's ``out_cache_loc`` off that row, ``decode_schedule_batch_mixin.py:44-52``)."""
     prebuilt = frames.tables.get("prebuilt")
     if prebuilt is None or prebuilt.empty:
         return pd.DataFrame(columns=["step", "slot", "position", "rid"])
-    after = prebuilt.assign(step=prebuilt["step"] + 1)[["step", "rid", "seq_len"]]
+    after = prebuilt.assign(step=prebuilt["step"] + 1)[["step", "rid", "kv_computed"]]
     entries = frames.slots.merge(after, on=["step", "rid"], how="inner")
-    return entries[entries["position"] < entries["seq_len"]][["step", "slot", "position",
-                                                              "rid"]]
+    return entries[entries["position"] < entries["kv_computed"]][["step", "slot",
+                                                                  "position", "rid"]]
 
 
 @clause(1, "slots recorded", fields=("req_to_token",),
