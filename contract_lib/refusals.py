@@ -16,6 +16,9 @@ from contract_lib.workloads import Workload
 def refuse_workload(loop_spec: loops.LoopSpec, workload: Workload, runner: str) -> None:
     """Refuse the workload features the loop (or the runner) cannot take
     (:class:`Unsupported`)."""
+    if loop_spec.unsupported:
+        raise Unsupported(f"loop {loop_spec.name} ({loop_spec.function}) cannot run here: "
+                          f"{loop_spec.unsupported}")
     if runner == "real" and workload.scripted_tokens():
         raise Unsupported(
             "the workload scripts the model-free forward (emit), which --runner real "

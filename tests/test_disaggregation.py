@@ -20,6 +20,17 @@ DISAGG = ("disagg-prefill-normal", "disagg-prefill-overlap", "disagg-decode-norm
 
 
 @pytest.mark.fast
+def test_every_loop_sglang_dispatches_to_is_registered():
+    """SGLang 0.5.23's dispatch (``_dispatch_event_loop_once``) enters eleven loops."""
+    assert {spec.function for spec in loops.LOOP_SPECS.values()} >= {
+        "event_loop_normal", "event_loop_overlap", "event_loop_overlap_mlx",
+        "event_loop_pp", "event_loop_pdmux", "event_loop_normal_disagg_prefill",
+        "event_loop_overlap_disagg_prefill", "event_loop_pp_disagg_prefill",
+        "event_loop_normal_disagg_decode", "event_loop_overlap_disagg_decode",
+        "event_loop_pp_disagg_decode"}
+
+
+@pytest.mark.fast
 def test_each_loop_names_the_function_sglang_dispatches_to():
     assert {name: loops.spec(name).function for name in ("mlx-normal", *DISAGG)} == {
         "mlx-normal": "event_loop_normal",
@@ -113,6 +124,17 @@ def test_a_prefill_loop_refuses_a_later_turn(capsys):
     assert main(["check", "--loop", "disagg-prefill-normal", "--workload", "two-turn",
                  "--out", "/dev/null"]) == 2
     assert "does not take turn_of (request 'a2')" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("loop, requirement", [
+    ("pp", "distributed/parallel_state.py:2517"), ("pp-disagg-decode", "PPProxyTensors"),
+    ("pdmux", "No module named 'sgl_kernel'")])
+def test_a_loop_sglang_cannot_run_here_is_refused_naming_why(capsys, loop, requirement):
+    assert main(["check", "--loop", loop, "--workload", "single-decode",
+                 "--out", "/dev/null"]) == 2
+    out = capsys.readouterr().out
+    assert f"Unsupported: loop {loop} ({loops.spec(loop).function}) cannot run here" in out
+    assert requirement in out
 
 
 def test_a_server_arg_that_makes_another_loop_is_named(capsys):

@@ -44,9 +44,11 @@ RESERVED_DECODE_TOKENS = 8
 # The exception to "replace no SGLang validation", declared once, with its reason.
 VALIDATION_EXCEPTION = (
     "arg_groups/pd_disaggregation_hook.py:146 asserts that a prefill server does not "
-    "use the 'fake' transfer backend. The real backends (mooncake, nixl, mori) need an "
-    "RDMA transfer engine at Scheduler init (scheduler.py:536) and none can be "
-    "installed here, so without this exception no prefill loop can be built. The "
+    "use the 'fake' transfer backend. A prefill Scheduler builds its backend's KV "
+    "manager at init (disaggregation/prefill.py:358-364); the real backends need their "
+    "transfer engine (mooncake's imports mooncake.engine, "
+    "distributed/device_communicators/mooncake_transfer_engine.py:120), which cannot "
+    "be installed here, so without this exception no prefill loop can be built. The "
     "assertion guards deployments (a fake prefill sends no KV to any decode peer); "
     "it is not part of the per-step bookkeeping the contract checks, and the "
     "sender the prefill loop polls is SGLang's own FakeKVSender.")
