@@ -665,10 +665,12 @@ DETERMINISTIC_ON_FLASHINFER = {"enable_deterministic_inference": True,
 
 
 @pytest.mark.parametrize("loop, server_args, resolved", [
-    ("normal", DETERMINISTIC_ON_FLASHINFER, {"page_size": 1, "disable_radix_cache": True}),
-    ("omni", DETERMINISTIC_ON_FLASHINFER, {"page_size": 1, "disable_radix_cache": True}),
+    ("normal", DETERMINISTIC_ON_FLASHINFER,
+     {"page_size": 1, "disable_radix_cache": True, "disaggregation_mode": "null"}),
+    ("omni", DETERMINISTIC_ON_FLASHINFER,
+     {"page_size": 1, "disable_radix_cache": True, "disaggregation_mode": "null"}),
     ("normal", {"attention_backend": "hpc_ops"},
-     {"page_size": 64, "disable_radix_cache": False})])
+     {"page_size": 64, "disable_radix_cache": False, "disaggregation_mode": "null"})])
 def test_server_args_are_read_as_sglang_resolved_them(loop, server_args, resolved):
     """SGLang overrides some args it was given (deterministic inference on flashinfer
     disables the radix cache; an MLA backend sets 64-token pages): read as given, the

@@ -182,12 +182,12 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
         """Requests in the PD-disaggregation queues SGLang's ``is_fully_idle`` reads
         (``managers/scheduler.py:5373-5381``): prefill's bootstrap and inflight (transfer)
         queues; decode's preallocation (and retracted) and transfer queues, and its held
-        releases of transfers aborted midway. None on another loop."""
+        releases of transfers aborted midway (one, however many). None on another loop."""
         if not self.disaggregation:
             return None
-        held = (self.s.disagg_decode_transfer_queue.num_pending_deferred_releases()
-                if self.disaggregation == DECODE else 0)
-        return len(self._disagg_parked(waiting=False)) + held
+        held = (self.s.disagg_decode_transfer_queue.has_pending_deferred_releases()
+                if self.disaggregation == DECODE else False)
+        return len(self._disagg_parked(waiting=False)) + int(held)
 
     def _retracted_parked(self) -> int:
         """A decode side's retracted requests waiting to resume (0 on other loops)."""
@@ -231,16 +231,15 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
                 setattr(owner, name, value)
 
     def disagg_parked_kv(self) -> int:
-        """The KV those parked requests hold (SGLang's ``kv_private_tokens`` each): a term
-        of the pool's conservation law SGLang's own checker does not see
-        (``_requests_owning_rows`` reads the batches only, ``invariant_checker.py:274``;
-        SGLang runs that law on these loops only once fully idle)."""
-        from sglang.srt.managers.scheduler_components.pool_stats_observer import (
-            kv_private_tokens)
-
+        """The KV those parked requests hold (each its allocated length in whole pages
+        less its radix-protected prefix, as SGLang's ``kv_private_tokens``,
+        ``pool_stats_observer.py:31-32``): a term of the pool's conservation law SGLang's
+        own checker does not see (``_requests_owning_rows`` reads the batches only,
+        ``invariant_checker.py:274``; SGLang runs that law on these loops only once fully
+        idle). 0 on another loop."""
         page = self.s.token_to_kv_pool_allocator.page_size
-        return sum(kv_private_tokens(req.kv, page) for req in self._disagg_parked(True)
-                   if req.kv.holds_kv)
+        return sum(-(-req.kv.kv_allocated_len // page) * page - req.kv.cache_protected_len
+                   for req in self._disagg_parked(True) if req.kv.holds_kv)
 
     def _overlaps(self) -> bool:
         """Whether the loop can carry in-flight work (omni: ``enable_async_decode``)."""
