@@ -22,8 +22,9 @@ from typing import Any
 from contract_lib import cache as frame_cache
 from contract_lib import journal, loops
 from contract_lib.paths import MODEL_DIR
-from contract_lib.protocol import (END, LoopMismatch, RunSetupError, Unsupported,
-                                   error_record)
+from contract_lib.protocol import END, LoopMismatch, RunSetupError, error_record
+from contract_lib.refusals import (check_loop_args, check_page_size, refuse_workload,
+                                   resolved_args)
 from contract_lib.serverargs import accepted_kinds, problems, user_server_args
 from contract_lib.workloads import Workload
 
@@ -209,19 +210,18 @@ def _build(spec: dict[str, Any], loop_spec: loops.LoopSpec, emit,
         else:
             shims.install_mlx_model_free_runner()
             applied.append("mlx-model-free-runner")
+    if loop_spec.disaggregation:
+        applied += shims.install_disaggregation_shims(loop_spec.disaggregation)
     apply_patch(spec["patch"])
 
     workload = Workload.from_dict(spec["workload"])
-    if runner == "real" and workload.scripted_tokens():
-        raise Unsupported(
-            "the workload scripts the model-free forward (emit), which --runner real "
-            "replaces with a real model; run it with the model-free runner")
-    if loop_spec.family == loops.OMNI:
-        _refuse_on_omni(workload)
+    refuse_workload(loop_spec, workload, runner)
     shims.install_token_script(workload.scripted_tokens())
     model_dir = spec["model_dir"] if runner == "real" else str(MODEL_DIR)
     args = {**BASE_SERVER_ARGS, "model_path": model_dir,
             "disable_overlap_schedule": loop_spec.disable_overlap_schedule,
+            **(shims.disaggregation_server_args(loop_spec.disaggregation)
+               if loop_spec.disaggregation else {}),
             **workload.server_args, **spec["server_args"]}
     user_args = user_server_args(spec)
     if user_args and (found := problems(user_args, accepted_kinds(ServerArgs))):
@@ -232,8 +232,8 @@ def _build(spec: dict[str, Any], loop_spec: loops.LoopSpec, emit,
         scheduler = omni.build_scheduler(server_args)
         timing["build_s"] = time.perf_counter() - built
     else:
-        _check_overlap_arg(loop_spec, server_args, args, workload.server_args,
-                           spec["server_args"], ServerArgs)
+        check_loop_args(loop_spec, server_args, args, workload.server_args,
+                        spec["server_args"], ServerArgs)
         port_args = PortArgs.init_new(server_args)
         runtime_context.publish(server_args, role="scheduler",
                                 ranks=runtime_context.SpawnRanks(world_rank=0, dp_rank=None,
@@ -249,7 +249,7 @@ def _build(spec: dict[str, Any], loop_spec: loops.LoopSpec, emit,
         timing["build_s"] = time.perf_counter() - built
         scheduler.request_receiver = shims.ScriptedReceiver()
         applied.append("scripted-ingress")
-    _check_page_size(scheduler, loop_spec.name, triton="triton-standin" not in applied)
+    check_page_size(scheduler, loop_spec.name, triton="triton-standin" not in applied)
     emit(("meta", {"shims": applied, "expect": workload.expected_outcomes(),
                    "enable_overlap": bool(scheduler.enable_overlap),
                    "enable_overlap_mlx": bool(scheduler.enable_overlap_mlx),
@@ -269,96 +269,6 @@ def _build(spec: dict[str, Any], loop_spec: loops.LoopSpec, emit,
         kv_recorder = KvPoolRecorder(scheduler, recorder, emit, model_dir)
         kv_recorder.install()
     return scheduler, recorder, kv_recorder
-
-
-def _refuse_on_omni(workload: Workload) -> None:
-    """Aborts and priorities go through SGLang's ingress (``AbortReq``, the request's
-    ``priority``); sglang-omni's ingress is its inbox of pipeline messages, which this
-    project does not script for them."""
-    fields = [f for f in ("abort_at", "priority")
-              if any(getattr(r, f) is not None for r in workload.requests)]
-    if fields:
-        raise Unsupported(f"loop omni does not take {' or '.join(fields)}: aborts and "
-                          "priorities are not scripted through sglang-omni's inbox "
-                          "ingress; run this workload on normal, overlap or mlx")
-
-
-def resolved_args(scheduler) -> dict[str, Any]:
-    """The server args the checker reads as the scheduler runs with them, after SGLang
-    resolved them (``enable_deterministic_inference`` on a backend without radix
-    support disables the radix cache; an MLA backend sets the page size), not as given:
-    ``page_size`` and ``disable_radix_cache``."""
-    args = scheduler.server_args
-    # The radix tree's own switch first (sglang-omni's scheduler keeps no resolved copy)
-    tree = getattr(scheduler, "tree_cache", None)
-    disabled = next(bool(getattr(source, name)) for source, name in (
-        (tree, "disable"), (scheduler, "disable_radix_cache"), (args, "disable_radix_cache"))
-        if hasattr(source, name))
-    return {"page_size": int(getattr(scheduler, "page_size", None) or args.page_size or 1),
-            "disable_radix_cache": disabled}
-
-
-def _check_page_size(scheduler, loop: str, triton: bool) -> None:
-    """Refuse, before the loop, a page size the KV allocator SGLang built cannot serve.
-
-    With ``page_size > 1`` the scheduler allocates through the paged path
-    (``alloc_extend`` / ``alloc_decode``), which a token-level allocator (page size 1)
-    fails at the first prefill ("alloc_extend is only for paged allocator"). SGLang's MLX
-    backend (``MlxModelRunnerStub``) builds a token-level allocator whatever the page
-    size; the torch loops' bookkeeping runner builds the paged one SGLang's model runner
-    builds (:mod:`contract_lib.shims`). A paged allocator without a native path (no
-    ``use_triton_kernels`` switch: 0.5.21) launches Triton kernels, which need a real
-    ``triton`` (``triton``: False where SGLang's stand-in was loaded)."""
-    from importlib import metadata
-
-    wanted = resolved_args(scheduler)["page_size"]
-    allocator = scheduler.token_to_kv_pool_allocator
-    if allocator.page_size != wanted:
-        raise Unsupported(
-            f"page_size={wanted} is not supported on loop {loop}: SGLang built a KV "
-            f"allocator of page size {allocator.page_size} ({type(allocator).__name__}), "
-            "which the scheduler's paged path would fail on at the first prefill")
-    if wanted > 1 and not triton and getattr(allocator, "use_triton_kernels", True):
-        raise Unsupported(
-            f"page_size={wanted} is not supported on loop {loop} with sglang "
-            f"{metadata.version('sglang')}: its {type(allocator).__name__} launches Triton "
-            "kernels only (no native path), and this machine has no Triton")
-
-
-def _check_overlap_arg(loop_spec: loops.LoopSpec, server_args, args: dict[str, Any],
-                       workload_args: dict[str, Any], cli_args: dict[str, Any],
-                       server_args_class) -> None:
-    """Refuse, before the Scheduler is built, server args that turn the requested loop
-    into another: SGLang picks the loop from ``disable_overlap_schedule`` (the normal loop
-    when set, else the overlap or MLX overlap loop). Names the argument responsible: the
-    override that sets it, or the one whose removal restores the loop (ServerArgs' own
-    post-init hooks can set it from other arguments)."""
-    loop, wanted = loop_spec.name, loop_spec.disable_overlap_schedule
-    actual = bool(server_args.disable_overlap_schedule)
-    if actual == wanted:
-        return
-    sources = [("--server-arg", cli_args), ("workload [server_args]", workload_args)]
-    culprit = next((f"{where} disable_overlap_schedule={given['disable_overlap_schedule']!r}"
-                    for where, given in sources if "disable_overlap_schedule" in given), None)
-    if culprit is None:
-        for where, given in sources:
-            for key in given:
-                trial = {k: v for k, v in args.items() if k != key}
-                trial["disable_overlap_schedule"] = wanted
-                try:
-                    restored = bool(server_args_class(**trial).disable_overlap_schedule)
-                except Exception:  # noqa: BLE001 - a trial that does not build proves nothing
-                    continue
-                if restored == wanted:
-                    culprit = f"{where} {key}={given[key]!r}"
-                    break
-            if culprit:
-                break
-    entered = loops.dispatched_function(actual, loop_spec.mlx)
-    raise LoopMismatch(
-        f"--loop {loop} needs disable_overlap_schedule={wanted}, but "
-        f"{culprit or 'the server args'} make(s) it {actual}: SGLang would run {entered} "
-        f"instead of {loop_spec.function}; remove that argument or choose that loop")
 
 
 def _remove_ipc_names(port_args) -> None:

@@ -61,6 +61,18 @@ Tables (pandas DataFrames; the column lists below are the schema):
   from, :class:`contract_lib.shims.mlx_runner.ModelFreeKvPool`): the same verdicts,
   ``max_abs_diff`` NaN.
 
+- ``prebuilt`` (PD-disaggregation decode side): every request a prebuilt batch admitted
+  (``get_new_prebuilt_batch``: no forward; its KV arrived by transfer, or was restored
+  after a retraction): ``kv_computed`` the positions whose KV it put in place (the
+  prompt fed and the tokens emitted, less the last), ``token`` its latest
+  token (the one the first decode is fed), ``transfer`` True for the admission of the
+  transferred KV (``token`` is then the remote prefill's first token, the hand-off),
+  False for a re-admission after a retraction.
+
+``steps.disagg_queued`` counts the requests in the PD-disaggregation queues (prefill:
+bootstrap and inflight; decode: preallocation, retracted and transfer), None on other
+loops.
+
 The torch loops and omni leave ``kv_syncs`` and ``kv_pool`` empty.
 
 ``WALL_CLOCK_COLUMNS`` are kept out of every comparison between runs.
@@ -81,7 +93,7 @@ import pandas as pd
 
 from contract_lib.atomic import atomic_write
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 COLUMNS: dict[str, list[str]] = {
     "steps": [
@@ -89,7 +101,7 @@ COLUMNS: dict[str, list[str]] = {
         "enable_overlap", "enable_overlap_mlx", "running_bs", "running_mode",
         "last_batch_mode", "waiting_len", "kv_total", "kv_available", "kv_evictable",
         "kv_protected", "kv_uncached", "pool_leak", "rows_free", "rows_total",
-        "wall_time", "processed_tokens_counter",
+        "wall_time", "processed_tokens_counter", "disagg_queued",
     ],
     "launches": [
         "launch", "step", "loop", "forward_ct", "forward_iter", "launch_ts", "mode",
@@ -116,6 +128,7 @@ COLUMNS: dict[str, list[str]] = {
     "backend_state": ["step", "rid", "structure", "row"],
     "evictions": ["step", "need", "available", "asked", "evictable_before",
                   "evictable_after"],
+    "prebuilt": ["step", "rid", "kv_computed", "token", "transfer"],
 }
 
 WALL_CLOCK_COLUMNS: dict[str, list[str]] = {

@@ -211,6 +211,10 @@ def judge(frames: Frames, reference: Frames | None, clause: int | None,
                        f"{error.get('message')}", step=frames.meta.get("steps"))
     if reference is not None and reference.status == "finished":
         ours, theirs = frames.output_tokens(), reference.output_tokens()
+        if loops.known(frames.loop).disaggregation == loops.PREFILL:
+            # a prefill side emits each request's first token (max_new_tokens is set
+            # to 1, disaggregation/prefill.py:482); the decode side the rest
+            theirs = {rid: tokens[:1] for rid, tokens in theirs.items()}
         for rid in sorted(set(ours) | set(theirs)):
             if ours.get(rid) != theirs.get(rid):
                 return Finding("tokens", f"request {rid}: {frames.loop} emitted "

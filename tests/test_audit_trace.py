@@ -81,7 +81,7 @@ def test_trace_is_valid_nested_and_byte_stable(run_cached):
     assert {"scheduler step", "launches: fresh #0", "launches: chained #0",
             "request a2"} <= names
     violations = [e for e in events if e.get("cat") == "violation"]
-    # the torch loop violates only clause 6, the SGLang-wide HRRN clock bug
+    # the torch loop violates only clause 6, the known upstream HRRN clock bug
     assert violations and all(e["pid"] == 2 or e["args"]["clause"] == 6 for e in violations)
     assert {e["args"]["clause"] for e in violations if e["pid"] == 2} >= {1, 2, 6, 7}
     assert {"clause", "field", "expected", "actual", "count"} <= set(violations[0]["args"])

@@ -198,7 +198,7 @@ def test_tokens_the_model_did_not_compute_fail_a_run_no_clause_faults(good):
 def test_request_ids_with_commas_read_as_lanes():
     """``launches.rids`` joins request ids with commas, and an id is free text: a run with
     a request "p,q" was a clause 2 false red (its lanes read as "p" and "q")."""
-    from contract_lib.contract.counters import _lanes
+    from contract_lib.contract.emitted import _lanes
 
     assert _lanes("p,q,r", {"p,q", "r"}, 2) == ["p,q", "r"]
     assert _lanes("p,q,r", {"p", "p,q", "r"}, 2) is None  # ambiguous: not judged
@@ -665,10 +665,12 @@ DETERMINISTIC_ON_FLASHINFER = {"enable_deterministic_inference": True,
 
 
 @pytest.mark.parametrize("loop, server_args, resolved", [
-    ("normal", DETERMINISTIC_ON_FLASHINFER, {"page_size": 1, "disable_radix_cache": True}),
-    ("omni", DETERMINISTIC_ON_FLASHINFER, {"page_size": 1, "disable_radix_cache": True}),
+    ("normal", DETERMINISTIC_ON_FLASHINFER,
+     {"page_size": 1, "disable_radix_cache": True, "disaggregation_mode": "null"}),
+    ("omni", DETERMINISTIC_ON_FLASHINFER,
+     {"page_size": 1, "disable_radix_cache": True, "disaggregation_mode": "null"}),
     ("normal", {"attention_backend": "hpc_ops"},
-     {"page_size": 64, "disable_radix_cache": False})])
+     {"page_size": 64, "disable_radix_cache": False, "disaggregation_mode": "null"})])
 def test_server_args_are_read_as_sglang_resolved_them(loop, server_args, resolved):
     """SGLang overrides some args it was given (deterministic inference on flashinfer
     disables the radix cache; an MLA backend sets 64-token pages): read as given, the

@@ -316,7 +316,7 @@ def test_memory_pressure_torch_retracts_mlx_does_not(run_cached):
 # -- every built-in patch judged against clauses 6 and 7 --------------------------------------
 
 # patch -> (clause 6, clause 7) on two-turn on the MLX loop. On the torch loops clause 6 is
-# the catalogued SGLang-wide bug unless the patch fixes it, and clause 7 is not exercised
+# the known upstream bug unless the patch fixes it, and clause 7 is not exercised
 # (they keep no backend state).
 JUDGED = {
     "no-forward-ct": ("violated", "violated"),
@@ -404,7 +404,9 @@ def test_status_shows_known_upstream_bugs_without_failing_the_reference_gate(sav
 def test_known_upstream_bugs_are_catalogued_with_their_fix():
     bugs = {bug["id"]: bug for bug in bug_catalog()}
     bug = bugs["processed-tokens-counter"]
-    assert bug["clause"] == 6 and set(bug["loops"]) == {"normal", "overlap", "omni"}
+    assert bug["clause"] == 6 and set(bug["loops"]) == {
+        "normal", "overlap", "omni", "mlx-normal", "disagg-decode-normal",
+        "disagg-decode-overlap"}  # every loop whose launches run_batch stamps
     assert bugs["backend-state"]["clause"] == 7
     assert {bugs[b]["fix"] for b in ("processed-tokens-counter", "mlx-clock")} == {
         "fix-processed-tokens-counter"}
@@ -466,7 +468,7 @@ def test_frames_without_the_extension_tables_are_not_exercised(torch_good):
 @pytest.mark.parametrize("workload", ["two-turn", "mixed-chunk"])
 def test_omni_copies_the_clock_bug_and_the_fix_covers_it(run_cached, workload):
     """sglang-omni's OmniScheduler.stamp_batch_launch copies run_batch's counter lines:
-    the same SGLang-wide finding; fix-processed-tokens-counter patches that copy too.
+    the same known upstream bug; fix-processed-tokens-counter patches that copy too.
     Its ModelWorker keeps no per-request state: clause 7 is not exercised."""
     report = check(run_cached(workload, "omni"))
     assert _known(report, 6) == ["processed-tokens-counter"]

@@ -143,7 +143,7 @@ def test_step_snapshot_and_figure(two_turn):
     text = views.step_snapshot(frames, 7, "a")
     assert text.startswith("step 7 of two-turn on mlx")
     assert "slot 0!" in text and "clause 1 (slots recorded)" in text
-    rfc = check(two_turn["normal"], clauses="rfc")  # torch breaks only clause 6 (SGLang-wide)
+    rfc = check(two_turn["normal"], clauses="rfc")  # torch breaks only clause 6 (known upstream)
     assert views.step_snapshot(two_turn["normal"], 7, "a", rfc).endswith("violations here: none")
     assert "not known" in views.step_snapshot(frames, 0, "a")
     fig = views.step_figure(frames, 7, "a")
@@ -267,7 +267,7 @@ def test_clause_view_follows_the_violated_clause(two_turn, saved):
         assert int(views.first_violation(report)["clause"]) == clause
         fig = views.clause_view(frames, report, two_turn["normal"])
         assert fig.texts[0].get_text().startswith(titles[clause])
-    rfc = check(two_turn["normal"], clauses="rfc")  # torch breaks clause 6 (SGLang-wide)
+    rfc = check(two_turn["normal"], clauses="rfc")  # torch breaks clause 6 (known upstream)
     assert views.clause_view(two_turn["normal"], rfc) is None
 
 

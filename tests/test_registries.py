@@ -39,7 +39,7 @@ def test_a_registered_loop_runs_and_shows_in_the_status_table(toy_loop):
     frames = contract_lib.run("single-decode", toy_loop, cache=False)
     assert frames.status == "finished"
     assert frames.meta["loop_function"] == "event_loop_normal"
-    report = check(frames, "rfc")  # on "all", clause 6 is the torch loops' SGLang-wide bug
+    report = check(frames, "rfc")  # on "all", clause 6 is the torch loops' known upstream bug
     assert report.verdict().outcome == Outcome.PASS
     status = Status({("single-decode", toy_loop): report})
     assert list(status.table().columns) == [toy_loop]

@@ -30,7 +30,7 @@ def _workload(tmp_path, text: str, name: str = "w") -> str:
 
 def _check(*args: str) -> int:
     """``check`` on the RFC's five clauses: these tests are about a run's fate, and the
-    torch loops violate clause 6 (the SGLang-wide HRRN clock bug) on every run."""
+    torch loops violate clause 6 (the known upstream HRRN clock bug) on every run."""
     return main(["check", *args, "--clauses", "rfc", "--out", "/dev/null"])
 
 
@@ -338,7 +338,8 @@ def test_an_argument_that_turns_overlap_off_indirectly_is_named():
     (e.g. speculative decoding, the MPS backend): the one whose removal restores the
     loop is named. A stand-in ServerArgs with such a hook:"""
     from contract_lib import loops
-    from contract_lib.child import LoopMismatch, _check_overlap_arg
+    from contract_lib.protocol import LoopMismatch
+    from contract_lib.refusals import check_loop_args
 
     class Args:
         def __init__(self, **kwargs):
@@ -350,7 +351,7 @@ def test_an_argument_that_turns_overlap_off_indirectly_is_named():
     with pytest.raises(LoopMismatch, match=r"workload \[server_args\] speculative='eagle' "
                                            r"make\(s\) it True: SGLang would run "
                                            r"event_loop_normal instead of event_loop_overlap_mlx"):
-        _check_overlap_arg(loops.spec("mlx"), Args(**args), args, given, {}, Args)
+        check_loop_args(loops.spec("mlx"), Args(**args), args, given, {}, Args)
 
 
 def test_a_loop_changed_after_the_build_is_refused_at_loop_entry(capsys):

@@ -871,3 +871,43 @@ def clock_counts_prefill_twice():
 
 def clock_adds_every_batch():
     _clock_at_processing(extend_only=False)
+
+
+# -- mutants of the PD-disaggregation batch builders --------------------------------------
+
+
+def prebuilt_skips_the_relay_stash():
+    """The decode side's prebuilt batch does not stash the hand-off token into the relay
+    (``process_prebuilt``): the first decode reads a row nothing published."""
+    from sglang.srt.disaggregation.decode_schedule_batch_mixin import (
+        ScheduleBatchDisaggregationDecodeMixin)
+
+    from contract_lib.patches import patch_source
+
+    patch_source(ScheduleBatchDisaggregationDecodeMixin, "process_prebuilt", [(
+        "future_map.stash(\n"
+        "    self.req_pool_indices, RelayPayload(bonus_tokens=last_tokens_tensor)\n"
+        ")\n", "pass\n")], "prebuilt-skips-the-relay-stash")
+
+
+def prebuilt_seq_lens_one_high():
+    """``prepare_for_prebuilt`` counts the hand-off token's position as computed: the
+    running batch's ``seq_lens`` lead the KV the transfer delivered by one."""
+    from sglang.srt.disaggregation.decode_schedule_batch_mixin import (
+        ScheduleBatchDisaggregationDecodeMixin)
+
+    from contract_lib.patches import patch_source
+
+    patch_source(ScheduleBatchDisaggregationDecodeMixin, "prepare_for_prebuilt", [(
+        "seq_len = len(req.origin_input_ids) + max(0, len(req.output_ids) - 1)\n",
+        "seq_len = len(req.origin_input_ids) + len(req.output_ids)\n")],
+        "prebuilt-seq-lens-one-high")
+
+
+def idle_ignores_the_prealloc_queue():
+    """``is_fully_idle`` forgets the decode side's preallocation queue."""
+    from contract_lib.patches import patch_source
+
+    patch_source(Scheduler, "is_fully_idle", [(
+        "idle &= len(self.disagg_decode_prealloc_queue.queue) == 0\n", "")],
+        "idle-ignores-the-prealloc-queue")

@@ -7,6 +7,7 @@ import numpy as np
 
 from contract_lib.capture.backend_state import BackendStateRecorder
 from contract_lib.capture.evictions import EvictionRecorder
+from contract_lib.loops import DECODE
 
 
 _FEW = 32  # lanes a decode write's index may have to be applied entry by entry
@@ -68,6 +69,8 @@ class HookInstaller:
             self.effects.install(s)
         if self.mlx:
             self._install_mlx_launch_hooks()
+        if self.disaggregation == DECODE:
+            self._install_prebuilt_hook()
         self.backend = BackendStateRecorder(self.s)
         EvictionRecorder(self.s, lambda: self.step,
                          lambda row: self._emit_rows([("evictions", row)]))
@@ -89,6 +92,20 @@ class HookInstaller:
             return real_send(output, *args, **kwargs)
 
         sender.send_output = send_output
+
+    def _install_prebuilt_hook(self) -> None:
+        """The decode side's prebuilt batch (``get_new_prebuilt_batch``, instance): the
+        requests it admits without a forward, recorded once it is built and its relay
+        stashed (``process_prebuilt``), before the first decode reads it."""
+        real_prebuilt = self.s.get_new_prebuilt_batch
+
+        def get_new_prebuilt_batch(*args, **kwargs):
+            batch = real_prebuilt(*args, **kwargs)
+            if batch is not None:
+                self.on_prebuilt(batch)
+            return batch
+
+        self.s.get_new_prebuilt_batch = get_new_prebuilt_batch
 
     def _install_omni_resolve_hook(self) -> None:
         """Pair each lookahead launch with its resolve (``resolve_and_process``), in

@@ -124,6 +124,28 @@ class LaunchRecording:
             tokens = ",".join(str(self.produced.get(rid, "")) for rid in rids)
             self.emit(("update", "launches", "launch", number, {"tokens": tokens}))
 
+    def on_prebuilt(self, batch) -> None:
+        """A decode side's prebuilt batch admits requests without a forward: on a
+        request's first admission its prompt's KV arrived by transfer, on a re-admission
+        after a retraction its backed-up KV was restored (``offload_kv_cache`` /
+        ``load_kv_cache``, ``schedule_batch.py:2110-2112``, :2132-2134: every position
+        but the last token's). Either way ``kv_computed`` is the prompt fed and the
+        tokens emitted, less the last (counted here, not read off the batch's
+        ``seq_lens``, which clause 2 checks; a step in flight at the retraction is
+        dropped with it), the decode steps count from there (``kv_prefilled``), and the
+        latest token is the one ``process_prebuilt`` stashed for the first decode
+        (``output_ids[-1]``: on the first admission the remote prefill's hand-off)."""
+        taken = []
+        for req in batch.reqs:
+            rid, token = req.rid, int(req.output_ids[-1])
+            transfer = rid not in self.handed_off
+            self.handed_off.add(rid)
+            computed = len(self.fed_prompts[rid]) + len(req.output_ids) - 1
+            self.kv_computed[rid] = self.kv_prefilled[rid] = computed
+            self.latest_token[rid] = token
+            taken.append(("prebuilt", (self.step, rid, computed, token, transfer)))
+        self._emit_rows(taken)
+
     def on_processed(self, batch, result) -> None:
         if self.resolving is not None:
             launch, self.resolving = self.resolving, None

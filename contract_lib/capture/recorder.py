@@ -4,6 +4,7 @@ its hooks, launch records and snapshot are the three parts it is built from."""
 from __future__ import annotations
 
 import collections
+import contextlib
 from typing import Any, Callable
 
 import numpy as np
@@ -12,8 +13,9 @@ from contract_lib.capture.batches import NumpyView
 from contract_lib.capture.hooks import HookInstaller
 from contract_lib.capture.launches import LaunchRecording
 from contract_lib.capture.snapshot import StepSnapshot
-from contract_lib.loops import OMNI, LoopSpec
-from contract_lib.shims import abort_request, omni_request_message, tokenized_request
+from contract_lib.loops import DECODE, OMNI, PREFILL, LoopSpec
+from contract_lib.shims import (abort_request, bootstrap_fields, omni_request_message,
+                                tokenized_request)
 from contract_lib.workloads import RequestSpec, Workload
 
 Emit = Callable[[tuple], None]
@@ -77,6 +79,8 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
         self.loop = loop_spec.name
         self.mlx = loop_spec.mlx  # the MLX mixin's launch hooks and relay import
         self.omni = loop_spec.family == OMNI  # sglang-omni's ingress, resolve and queue
+        self.disaggregation = loop_spec.disaggregation  # PD role: bootstrap, queues, prebuilt
+        self.handed_off: set[str] = set()  # decode side: requests whose KV was transferred
         self.workload = workload
         self.emit = emit
         self.step = -1
@@ -160,7 +164,7 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
         return (len(self.fed) == len(self.workload.requests)
                 and all(self.ended(req) for req in self.reqs.values())
                 and len(self.reqs) == len(self.workload.requests)
-                and self._in_flight() == 0)
+                and self._in_flight() == 0 and not self._disagg_queued())
 
     def ended(self, req) -> bool:
         """Finished, or ended by an ``AbortReq`` output (SGLang pops a request aborted
@@ -173,6 +177,69 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
         if self.omni:
             return int(self.s.async_pending is not None)
         return len(getattr(self.s, "result_queue", ()) or ())
+
+    def _disagg_queued(self) -> int | None:
+        """Requests in the PD-disaggregation queues SGLang's ``is_fully_idle`` reads
+        (``managers/scheduler.py:5373-5381``): prefill's bootstrap and inflight (transfer)
+        queues; decode's preallocation (and retracted) and transfer queues, and its held
+        releases of transfers aborted midway (one, however many). None on another loop."""
+        if not self.disaggregation:
+            return None
+        held = (self.s.disagg_decode_transfer_queue.has_pending_deferred_releases()
+                if self.disaggregation == DECODE else False)
+        return len(self._disagg_parked(waiting=False)) + int(held)
+
+    def _retracted_parked(self) -> int:
+        """A decode side's retracted requests waiting to resume (0 on other loops)."""
+        if self.disaggregation != DECODE:
+            return 0
+        return len(self.s.disagg_decode_prealloc_queue.retracted_queue)
+
+    def _disagg_parked(self, waiting: bool) -> list:
+        """The requests a PD-disaggregation loop keeps in its queues rather than in a
+        batch (prefill: bootstrap, inflight; decode: preallocation, retracted, transfer,
+        and with ``waiting`` its waiting queue, whose requests hold their transferred KV
+        until a prebuilt batch admits them, ``managers/scheduler.py:5357-5359``)."""
+        s = self.s
+        if self.disaggregation == PREFILL:
+            return [*s.disagg_prefill_bootstrap_queue.queue, *s.disagg_prefill_inflight_queue]
+        if self.disaggregation == DECODE:
+            prealloc, transfer = s.disagg_decode_prealloc_queue, s.disagg_decode_transfer_queue
+            return [*(d.req for d in prealloc.queue), *prealloc.retracted_queue,
+                    *(d.req for d in transfer.queue), *(s.waiting_queue if waiting else ())]
+        return []
+
+    @contextlib.contextmanager
+    def masked_disagg_queues(self):
+        """The disaggregation queues emptied for the time of an idle probe (a decode
+        side's held releases too: ``has_pending_deferred_releases`` reads that list)."""
+        s = self.s
+        if self.disaggregation == PREFILL:
+            holders = [(s.disagg_prefill_bootstrap_queue, "queue"),
+                       (s, "disagg_prefill_inflight_queue")]
+        else:
+            prealloc, transfer = s.disagg_decode_prealloc_queue, s.disagg_decode_transfer_queue
+            holders = [(prealloc, "queue"), (prealloc, "retracted_queue"),
+                       (transfer, "queue"), (transfer, "_deferred_releases")]
+        saved = [getattr(owner, name) for owner, name in holders]
+        try:
+            for owner, name in holders:
+                setattr(owner, name, [])
+            yield
+        finally:
+            for (owner, name), value in zip(holders, saved):
+                setattr(owner, name, value)
+
+    def disagg_parked_kv(self) -> int:
+        """The KV those parked requests hold (each its allocated length in whole pages
+        less its radix-protected prefix, as SGLang's ``kv_private_tokens``,
+        ``pool_stats_observer.py:31-32``): a term of the pool's conservation law SGLang's
+        own checker does not see (``_requests_owning_rows`` reads the batches only,
+        ``invariant_checker.py:274``; SGLang runs that law on these loops only once fully
+        idle). 0 on another loop."""
+        page = self.s.token_to_kv_pool_allocator.page_size
+        return sum(-(-req.kv.kv_allocated_len // page) * page - req.kv.cache_protected_len
+                   for req in self._disagg_parked(True) if req.kv.holds_kv)
 
     def _overlaps(self) -> bool:
         """Whether the loop can carry in-flight work (omni: ``enable_async_decode``)."""
@@ -203,7 +270,10 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
         if self.omni:
             self.s.inbox.put(omni_request_message(spec.rid, prompt, spec.sampling()))
         else:
-            self.s.request_receiver.pending.append(tokenized_request(spec, prompt))
+            bootstrap = (bootstrap_fields(self.disaggregation, len(self.fed))
+                         if self.disaggregation else {})
+            self.s.request_receiver.pending.append(
+                tokenized_request(spec, prompt, **bootstrap))
         self.fed.add(spec.rid)
         self.fed_prompts[spec.rid] = prompt
         if self.capture:  # every prompt fed so far (clause 1 compares the slots' tokens)

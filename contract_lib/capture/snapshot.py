@@ -3,6 +3,8 @@ rows' ``req_to_token`` entries, and the backend's per-request state, sent as one
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import time
 from typing import Any
 
@@ -24,7 +26,8 @@ class StepSnapshot:
             self._idle_probe(), self._overlaps(), bool(s.enable_overlap_mlx),
             0 if running is None else len(running.reqs), mode_name(running),
             mode_name(last), len(s.waiting_queue), *self._pool_terms(), *self._row_terms(),
-            time.monotonic(), getattr(s, "processed_tokens_counter", None))))
+            time.monotonic(), getattr(s, "processed_tokens_counter", None),
+            self._disagg_queued())))
         seq_lens = self._seq_lens(running, last)
         rtt = self.req_to_token_view.of(s.req_to_token_pool.req_to_token)  # sliced in numpy
         free = None  # the free-slot mask, taken at the first live row
@@ -58,20 +61,48 @@ class StepSnapshot:
         self.emit(("rows", rows, slot_rows))
 
     def _idle_probe(self) -> bool:
-        """``is_fully_idle`` with every term but the in-flight one masked to idle, as each
+        """``is_fully_idle`` with every term but the in-flight ones masked to idle, as each
         of its callers may ask (no arguments; each of its flags, such as the health
         check's ``for_health_check`` or the flush's ``ignore_waiting``, alone; all of
         them together): True when any of them says idle. The flags are tried only when
-        the plain call says busy (work in flight)."""
+        the plain call says busy (work in flight). A PD-disaggregation loop's queues
+        are asked about alone (and the overlap loop's ``result_queue`` alone), so one
+        term cannot answer for the other; the health check is asked about those queues
+        only for a decode side's retracted requests: SGLang leaves the others out of it
+        by design (``managers/scheduler.py:5338-5342``, :5369), not those (:5361-5367)."""
         s = self.s
+        everyone, queued, in_flight = self.idle_arguments, self._disagg_queued(), self._in_flight()
+        queue_callers = everyone if self._retracted_parked() else [
+            a for a in everyone if not a.get("for_health_check")]
         saved = (s.running_batch, s.last_batch, s.chunked_req, s.waiting_queue)
         try:
             s.running_batch = EmptyBatch()
             s.last_batch, s.chunked_req, s.waiting_queue = None, None, []
-            return bool(s.is_fully_idle()) or any(
-                bool(s.is_fully_idle(**arguments)) for arguments in self.idle_arguments)
+            if not queued:
+                return self._says_idle(everyone)
+            if not in_flight:
+                return self._says_idle(queue_callers)
+            with self.masked_disagg_queues():
+                queue_alone = self._says_idle(everyone)
+            with self._masked_result_queue():
+                return queue_alone or self._says_idle(queue_callers)
         finally:
             s.running_batch, s.last_batch, s.chunked_req, s.waiting_queue = saved
+
+    def _says_idle(self, arguments: list[dict[str, bool]]) -> bool:
+        """Whether ``is_fully_idle`` says idle plainly or with any of ``arguments``."""
+        s = self.s
+        return bool(s.is_fully_idle()) or any(bool(s.is_fully_idle(**a)) for a in arguments)
+
+    @contextlib.contextmanager
+    def _masked_result_queue(self):
+        """The overlap loop's ``result_queue`` emptied for the time of a probe."""
+        saved = self.s.result_queue
+        self.s.result_queue = collections.deque()
+        try:
+            yield
+        finally:
+            self.s.result_queue = saved
 
     def find_idle_arguments(self) -> None:
         """Set ``idle_arguments``: the ways to call ``is_fully_idle`` other than plainly,
@@ -90,10 +121,11 @@ class StepSnapshot:
     def _pool_terms(self) -> tuple[int, int, int, int, int, bool]:
         """SGLang's own KV pool conservation terms (``InvariantChecker``), and its verdict:
         ``kv_total``, ``kv_available``, ``kv_evictable``, ``kv_protected``,
-        ``kv_uncached``, ``pool_leak``."""
+        ``kv_uncached``, ``pool_leak``; on a PD-disaggregation loop ``kv_uncached``
+        also holds the KV of requests parked in its queues (:meth:`disagg_parked_kv`)."""
         checker = self.invariant_checker
         stats = checker.pool_stats_observer.get_pool_stats()
-        uncached = uncached_sizes(checker)
+        uncached = uncached_sizes(checker) + self.disagg_parked_kv()
         leak, _message = checker._check_full_pool(stats, uncached=uncached)
         return (int(self.s.max_total_num_tokens), int(stats.full_available_size),
                 int(stats.full_evictable_size), int(self.s.tree_cache.protected_size()),

@@ -117,5 +117,16 @@ def first_step_showing(requests: pd.DataFrame, index_by_rid: dict[str, int]
     return {rid: int(step) for rid, step in shown.groupby("rid")["step"].min().items()}
 
 
+def handoffs(frames) -> dict[str, int]:
+    """The requests whose prompt was prefilled elsewhere (a PD-disaggregation decode
+    side: their prompt KV and first token arrived by transfer, ``prebuilt`` rows with
+    ``transfer``): rid -> the hand-off token. Empty on every other loop."""
+    prebuilt = frames.tables.get("prebuilt")
+    if prebuilt is None or prebuilt.empty:
+        return {}
+    first = prebuilt[prebuilt["transfer"].astype(bool)]
+    return dict(zip(first["rid"], first["token"].astype("int64").tolist()))
+
+
 def ints(series: pd.Series) -> pd.Series:
     return series.astype("int64").astype(str)

@@ -11,7 +11,11 @@ idle while the real predicate said busy, the answer was right only by accident:
 In-flight work at a step boundary is what the loop's in-flight term holds
 (``result_queue_len``) or a launch made at an earlier step and processed at this one or
 later (from the ``launches`` table): a loop that keeps its in-flight work somewhere else
-than SGLang's queue still holds it.
+than SGLang's queue still holds it. On a PD-disaggregation loop, normal or overlap, the
+requests in its disaggregation queues (``disagg_queued``: bootstrap, preallocation,
+transfer, inflight) are in-flight work too: ``is_fully_idle`` tests them
+(``managers/scheduler.py:5373-5381``), except for the health check, which leaves them
+out by design (:5338-5342), so the probe does not ask it about them.
 """
 
 from __future__ import annotations
@@ -47,10 +51,19 @@ def _launched_in_flight(frames: Frames) -> pd.Series:
 
 
 def _in_flight(frames: Frames) -> pd.DataFrame:
-    """The overlap steps holding in-flight work, with ``launched``: launches in flight."""
-    steps = frames.steps.assign(launched=_launched_in_flight(frames))
+    """The steps holding in-flight work: an overlap loop's (``launched``: launches in
+    flight), or requests in a disaggregation loop's queues (``queued``)."""
+    steps = frames.steps.assign(launched=_launched_in_flight(frames),
+                                queued=_queued(frames.steps))
     busy = (steps["result_queue_len"] > 0) | (steps["launched"] > 0)
-    return steps[_overlap(steps) & busy]
+    return steps[(_overlap(steps) & busy) | (steps["queued"] > 0)]
+
+
+def _queued(steps: pd.DataFrame) -> pd.Series:
+    """Per step, the requests in the disaggregation queues (0 on other loops)."""
+    if "disagg_queued" not in steps:
+        return pd.Series(0, index=steps.index)
+    return pd.to_numeric(steps["disagg_queued"], errors="coerce").fillna(0).astype("int64")
 
 
 def never_overlapped(frames: Frames) -> str | None:
@@ -67,7 +80,7 @@ def never_overlapped(frames: Frames) -> str | None:
 
 
 def _no_in_flight_work(frames: Frames) -> str | None:
-    if not _overlap(frames.steps).any():
+    if not _overlap(frames.steps).any() and not frames.steps["disagg_queued"].notna().any():
         return "not an overlap loop: no in-flight work"
     if _in_flight(frames).empty:
         return "no step held in-flight work"
@@ -88,6 +101,9 @@ def check_idle_predicate(frames: Frames) -> ClauseResult:
     elsewhere = pd.Series("", index=bad.index).where(
         bad["launched"] <= bad["result_queue_len"],
         " and " + ints(bad["launched"]) + f" launch(es) in flight outside {queue}")
+    elsewhere += pd.Series("", index=bad.index).where(
+        bad["queued"] == 0, " and " + ints(bad["queued"]) + " request(s) in the "
+        "disaggregation queues")
     rows = pd.DataFrame({
         "field": queue, "step": bad["step"].astype("int64"),
         "expected": "not idle (in-flight term)",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from contract_lib.contract.base import retractions
+from contract_lib.contract.base import handoffs, retractions
 from contract_lib.frames import Frames
 
 
@@ -130,7 +130,10 @@ def _cache_hits_counted_once(frames: Frames, order: int) -> list[pd.DataFrame]:
     at most one token short of its prompt (its match bound), and unchanged from the
     first step that shows the prefill on (a later chunk reuses the request's own
     earlier chunks, a re-prefill after a retraction what it had computed: neither is a
-    cache hit). First step each."""
+    cache hit). First step each. On a PD decode side a request prefilled elsewhere
+    reports the prefill side's hit (``_commit_transfer_to_req``,
+    ``disaggregation/decode.py:2709``): its first local launch is a decode, whose first
+    position is no cache hit, so only the first two rules judge it."""
     requests = frames.requests
     if "cached_tokens" not in requests:
         return []
@@ -144,6 +147,8 @@ def _cache_hits_counted_once(frames: Frames, order: int) -> list[pd.DataFrame]:
     changed = cached.notna() & at_first.notna() & (requests["step"] > since) & (
         cached != at_first)
     computed_from = _first_computed_position(frames, first)
+    for rid in handoffs(frames):  # prefilled elsewhere: a decode launch computes first
+        computed_from.pop(rid, None)
     skipped = requests["rid"].map(computed_from)
     # The hit is the prefix the first prefill did not compute (where its slots are known).
     miscounted = (cached.notna() & skipped.notna() & (requests["step"] == since)

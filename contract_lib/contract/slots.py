@@ -17,7 +17,9 @@ an entry whose slot a forward last wrote at another position is ``misplaced`` to
 so is one whose slot another request's forward wrote at the same position when the two
 requests' token sequences differ at or before it (a radix-shared slot was written at
 the same position of the same prefix; the sequences are the prompts fed, meta
-``prompts``, and the tokens emitted).
+``prompts``, and the tokens emitted). A PD decode side's prebuilt batch writes KV
+without a forward (the transfer, or a retracted request's restore): its slots hold the
+positions its row records for them (``prebuilt``).
 """
 
 from __future__ import annotations
@@ -132,9 +134,11 @@ def _slot_positions(frames: Frames) -> pd.DataFrame:
                          & ~launches["chained"].astype(bool)]
     if forward.empty or not set(computing["launch"]) <= set(forward["launch"]):
         return pd.DataFrame({name: pd.Series(dtype=kind) for name, kind in columns.items()})
-    # A write at step s is seen from the boundary s + 1 on; the last one wins.
-    writes = forward.sort_values("launch").assign(step=forward["step"] + 1).drop_duplicates(
-        ["step", "slot"], keep="last")[["step", "slot", "position", "rid"]].astype(
+    # A write at step s is seen from the boundary s + 1 on; the last one wins (a
+    # prebuilt batch's before its iteration's launches).
+    writes = pd.concat([_prebuilt_writes(frames), forward.sort_values("launch").assign(
+        step=forward["step"] + 1)[["step", "slot", "position", "rid"]]]).drop_duplicates(
+        ["step", "slot"], keep="last").astype(
         {"step": "int64", "slot": "int64", "position": "int64"})
     entries = frames.slots[["step", "slot"]].astype("int64").drop_duplicates().sort_values(
         "step")
@@ -142,6 +146,21 @@ def _slot_positions(frames: Frames) -> pd.DataFrame:
                           direction="backward")
     return found.rename(columns={"position": "slot_position", "rid": "slot_writer"}).astype(
         {"slot_position": "float64"})
+
+
+def _prebuilt_writes(frames: Frames) -> pd.DataFrame:
+    """``(step, slot, position, rid)``: the KV a PD decode side's prebuilt batch put in
+    place without a forward (transferred from the prefill side, or restored after a
+    retraction, ``restore_kv_cache``), in the slots of positions ``< kv_computed`` its
+    row records at the next boundary ``step`` (``prepare_for_prebuilt`` reads the
+    batch's ``out_cache_loc`` off that row, ``decode_schedule_batch_mixin.py:44-52``)."""
+    prebuilt = frames.tables.get("prebuilt")
+    if prebuilt is None or prebuilt.empty:
+        return pd.DataFrame(columns=["step", "slot", "position", "rid"])
+    after = prebuilt.assign(step=prebuilt["step"] + 1)[["step", "rid", "kv_computed"]]
+    entries = frames.slots.merge(after, on=["step", "rid"], how="inner")
+    return entries[entries["position"] < entries["kv_computed"]][["step", "slot",
+                                                                  "position", "rid"]]
 
 
 @clause(1, "slots recorded", fields=("req_to_token",),

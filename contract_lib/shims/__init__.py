@@ -23,6 +23,14 @@ upstream bug of one release that stops a run from starting):
    hands SGLang real ``TokenizedGenerateReqInput`` objects (and SGLang's own
    ``AbortReq``) at chosen loop iterations.
 
+The disaggregation loops (SGLang's fake KV transfer backend, :mod:`.disaggregation`)
+add the same kinds: what the transfer set-up reads off the bookkeeping runner's
+zero-byte KV cache (the model boundary), the remote prefill's first token (the model),
+one CUDA-only event (a platform gate), the PD router's bootstrap fields on each request
+(ingress), and **the one replaced SGLang validation** of this project: prefill's
+refusal of the fake backend, declared as ``disaggregation.VALIDATION_EXCEPTION`` with
+its reason.
+
 The same three, and nothing else, for sglang-omni's ``OmniScheduler`` (loop ``omni``,
 :mod:`.omni`): its platform gates (its CPU platform; unpinned host staging), its model (the
 ``ModelWorker``'s runner and the plain-LM ``ModelRunner``'s forward) and its ingress
@@ -42,6 +50,9 @@ _MODULE_OF = {
     "ScriptedReceiver": "ingress",
     "abort_request": "ingress",
     "tokenized_request": "ingress",
+    "bootstrap_fields": "disaggregation",
+    "disaggregation_server_args": "disaggregation",
+    "install_disaggregation_shims": "disaggregation",
     "ModelFreeMlxRunner": "mlx_runner",
     "install_mlx_model_free_runner": "mlx_runner",
     "install_mlx_real_runner": "mlx_runner",

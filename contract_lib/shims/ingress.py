@@ -29,9 +29,10 @@ class ScriptedReceiver:
         return out
 
 
-def tokenized_request(spec: RequestSpec, prompt: list[int]):
+def tokenized_request(spec: RequestSpec, prompt: list[int], **bootstrap: Any):
     """A real ``TokenizedGenerateReqInput``, greedy, with the request's stop tokens,
-    ``ignore_eos`` and priority, as the tokenizer manager would send it."""
+    ``ignore_eos`` and priority, as the tokenizer manager would send it; ``bootstrap``:
+    the PD router's ``bootstrap_host`` and ``bootstrap_room`` (disaggregation loops)."""
     from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
     from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -42,7 +43,7 @@ def tokenized_request(spec: RequestSpec, prompt: list[int]):
         rid=spec.rid, input_text=None, input_ids=array.array("q", prompt),
         input_embeds=None, mm_inputs=None, token_type_ids=None, sampling_params=params,
         return_logprob=False, logprob_start_len=-1, top_logprobs_num=0,
-        token_ids_logprob=None, stream=False, priority=spec.priority)
+        token_ids_logprob=None, stream=False, priority=spec.priority, **bootstrap)
 
 
 def abort_request(rid: str):
