@@ -147,6 +147,8 @@ class RunMeta(RequiredMeta, total=False):
     enable_overlap: bool  # the scheduler's flags after construction
     enable_overlap_mlx: bool
     resolved_args: dict[str, Any]  # page_size, disable_radix_cache as the scheduler runs
+    # contract fields the release does not have (compat.absent_fields) -> why no violation
+    absent_fields: dict[str, str]
     timing: dict[str, float]  # the child's wall times (s): import, build, loop, total; loop CPU
     prompts: dict[str, list[int]]  # rid -> the prompt token ids it was fed with
     user_modules: dict[str, str | None]  # user modules the run loaded -> sha256
@@ -211,6 +213,12 @@ class Frames:
     @property
     def loop(self) -> str:
         return self.meta["loop"]
+
+    @property
+    def absent(self) -> dict[str, str]:
+        """The contract fields the run's SGLang does not have, each with why that is no
+        violation (meta ``absent_fields``; none in frames recorded without it)."""
+        return self.meta.get("absent_fields") or {}
 
     def output_tokens(self) -> dict[str, list[int]]:
         """Emitted token ids per request id."""
