@@ -439,6 +439,15 @@ def mlx_pending(kind: type, **values):
     return kind(**{name: value for name, value in values.items() if name in declared})
 
 
+def pool_layers(cache_layout) -> list[int]:
+    """The model layers whose KV the MLX attention pool holds, in its buffers' order:
+    ``full_attention_layer_indices`` (0.5.18+, which tells sliding-window layers apart),
+    else <= 0.5.17's ``attention_layer_indices`` (every attention layer)."""
+    if hasattr(cache_layout, "full_attention_layer_indices"):
+        return list(cache_layout.full_attention_layer_indices)
+    return list(cache_layout.attention_layer_indices)
+
+
 def free_pages(allocator):
     """The KV allocator's free pages, released ones included: SGLang's own census
     ``get_all_free_pages`` (0.5.20+), else what it lists on <= 0.5.19's allocators

@@ -53,7 +53,7 @@ import sys
 import pandas as pd
 
 from contract_lib.capture import free_slot_mask
-from contract_lib.compat import radix_match_slots, req_kv
+from contract_lib.compat import pool_layers, radix_match_slots, req_kv
 
 KIND_BY_CALLER = {
     "prefill_start": "prefill",
@@ -227,7 +227,7 @@ class KvPoolRecorder:
         if self._model is None:
             self._model = load_reference_model(self.model_dir)
         reference = reference_kv(self._model, tokens)
-        layers = list(self.runner._cache_layout.full_attention_layer_indices)
+        layers = pool_layers(self.runner._cache_layout)
         index = mx.array(slots, dtype=mx.int32)
         n = len(slots)
         diff = mx.zeros((n,))
