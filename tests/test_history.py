@@ -113,3 +113,20 @@ def test_the_open_clauses_are_red_on_the_oldest_release(run_cached):
     assert two_turn.clauses[2].status == VIOLATED
     mixed = check(run_cached("mixed-chunk", "mlx", sglang="0.5.14"))
     assert mixed.clauses[4].status == VIOLATED
+
+
+@pytest.mark.parametrize("version, loop, honoured", [
+    ("0.5.16", "mlx", False), ("0.5.16", "normal", True), ("0.5.17", "mlx", True)])
+def test_the_mlx_loop_ignores_gracefully_exit_until_0_5_17(run_cached, version, loop,
+                                                           honoured):
+    """#32447: until 0.5.17 the MLX loop never reads ``gracefully_exit`` (a shutdown
+    waits out its grace period); the torch loops return at their next iteration. No
+    clause sees it: the flag is read, not written, so the effects audit records nothing
+    and no step-boundary field differs; the run's end shows it."""
+    frames = run_cached("two-turn", loop, "user_patches:shutdown_after_three_results",
+                        sglang=version)
+    if honoured:
+        assert frames.status == "crashed" and frames.meta["steps"] <= 4
+        assert "loop returned without finishing" in frames.error["message"]
+    else:
+        assert frames.status == "finished"

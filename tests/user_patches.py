@@ -848,3 +848,21 @@ def one_token_chunk_as_decode():
          "route = self._route_extend_request(req.rid, decoding_rids)\n"
          "if route == \"continuation\" and seq_len == 1:\n"
          "    route = \"decode\"\n")], "one-token-chunk-as-decode")
+
+
+def shutdown_after_three_results():
+    """After the third ``process_batch_result`` the scheduler is asked to exit gracefully,
+    as a ``ShutdownReq`` does (it only sets ``gracefully_exit``): a loop that checks the
+    flag returns at its next iteration."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    real = Scheduler.process_batch_result
+
+    def process_batch_result(self, batch, result, *args, **kwargs):
+        out = real(self, batch, result, *args, **kwargs)
+        self.results_processed = getattr(self, "results_processed", 0) + 1
+        if self.results_processed == 3:
+            self.gracefully_exit = True
+        return out
+
+    Scheduler.process_batch_result = process_batch_result
