@@ -184,18 +184,19 @@ class Status:
                & per_run["status"].isin([VIOLATED, MASKED]) & per_run["finding"].isna())
         return per_run[bad]
 
-    def absent(self) -> dict[tuple[int, str], str]:
-        """(clause, field) -> why, for every field of a clause the release does not have
-        (:attr:`contract_lib.frames.Frames.absent`), over the runs."""
-        return {(number, name): why for report in self.reports.values()
-                for number, result in report.clauses.items()
-                for name, why in result.absent.items()}
+    def absent(self) -> list[tuple[int, str, str]]:
+        """(clause, field, why) for every field of a clause the release does not have
+        (:attr:`contract_lib.frames.Frames.absent`; a reason may depend on what the
+        workload builds, e.g. its radix tree), over the runs."""
+        return sorted({(number, name, why) for report in self.reports.values()
+                       for number, result in report.clauses.items()
+                       for name, why in result.absent.items()})
 
     def absent_note(self) -> list[str]:
         """A line per field the release does not have: not checked, and why."""
         where = f"sglang {self.sglang}" if self.sglang else "the venv's sglang"
         return [f"(not present in {where}, not checked: clause {number} {name}: {why})"
-                for (number, name), why in sorted(self.absent().items())]
+                for number, name, why in self.absent()]
 
     def sglang_findings(self) -> pd.DataFrame:
         """Runs whose violation of a clause is a catalogued SGLang-wide bug (``finding``,
