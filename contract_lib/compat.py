@@ -7,7 +7,10 @@ an upstream bug of one release that stops a run from starting, installed only wh
 running release lacks the fix, and recorded by name in the run's ``shims``.
 
 Supporting a new release: add it to :data:`SUPPORTED_SGLANG_VERSIONS`, and where it moved
-code the library reads, a probe here (or an anchor in :mod:`contract_lib.patches`).
+code the library reads, a probe here (or an anchor in :mod:`contract_lib.patches`); a
+contract field it lacks, :data:`OPTIONAL_FIELDS`; what it imports that the venv lacks,
+:data:`RELEASE_REQUIREMENTS` (keyed by version: a pin is installed before anything can
+be probed). What each release from 0.5.14 needed: ``docs/history.md``.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ import sysconfig
 from pathlib import Path
 
 # Field names, call sites and the MLX worker API the capture hooks and shims rely on were
-# read from these releases' code (see docs/contract.md for the anchors). 0.5.21 needs two
-# backports (:func:`install_release_compat`); 0.5.22 and 0.5.23 need none.
+# read from these releases' code (docs/contract.md, docs/history.md). Backports of an
+# upstream startup bug (:func:`install_release_compat`, :func:`install_import_compat`):
+# the MLX stub runner of 0.5.14, 0.5.16 and 0.5.21; 0.5.14-0.5.19's config registration.
 SUPPORTED_SGLANG_VERSIONS = ("0.5.14", "0.5.15", "0.5.16", "0.5.17", "0.5.18", "0.5.19",
                              "0.5.20", "0.5.21", "0.5.22", "0.5.23")
 
