@@ -2,9 +2,10 @@
 
 **Step boundary.** Step ``k`` is the top of the scheduler loop's ``k``-th iteration: the
 entry of ``Scheduler.ingest_requests`` (the first call every loop makes; <= 0.5.19,
-``request_receiver.recv_requests``), before that iteration's requests are fed in. The frame of step ``k`` therefore shows the state that
-iterations ``0..k-1`` left behind. The last step of a finished run is the first boundary
-at which every request has finished and nothing is in flight (``result_queue`` empty).
+``request_receiver.recv_requests``), before that iteration's requests are fed in. The
+frame of step ``k`` therefore shows the state that iterations ``0..k-1`` left behind. The
+last step of a finished run is the first boundary at which every request has finished
+and nothing is in flight (``result_queue`` empty).
 
 Tables (pandas DataFrames; the column lists below are the schema):
 

@@ -66,9 +66,9 @@ class LaunchRecording:
         values = ids[length(ids) - decodes:].tolist()
         taken = []
         for req, rid, value in zip(batch.reqs[prefills:], rids[prefills:], values):
-            latest = self.latest_token.get(rid)
+            latest, row = self.latest_token.get(rid), req_kv(req).req_pool_idx
             taken.append(("relay", ("fed", self.step, launch, self.loop, kind,
-                                    req_kv(req).req_pool_idx, rid, value, latest, value == latest)))
+                                    row, rid, value, latest, value == latest)))
         return taken
 
     def _forward_slots(self, batch, rids: list[str], seq_lens: list[int]) -> list[tuple]:

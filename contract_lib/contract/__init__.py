@@ -35,7 +35,8 @@ from contract_lib.contract.report import (ABORTED_COLUMNS, POOL_ROW, ContractVio
 __all__ = [
     "ABORTED_COLUMNS", "BAD_SLOT_STATES", "CLAUSE_OF_FIELD", "CLAUSE_SETS", "CLAUSES",
     "EXTENDED_FIELDS", "EXTENSION_CLAUSES", "EXTENSIONS", "HOLDS", "MASKED",
-    "NOT_EXERCISED", "NOT_PRESENT", "POOL_ROW", "REGISTRY", "RFC", "SLOT_STATES", "VIOLATED", "VIOLATION_COLUMNS",
+    "NOT_EXERCISED", "NOT_PRESENT", "POOL_ROW", "REGISTRY", "RFC", "SLOT_STATES", "VIOLATED",
+    "VIOLATION_COLUMNS",
     "Clause", "ClauseResult", "ContractViolation", "NotExercised", "Report",
     "RunDidNotFinish", "UntrustedVerdict", "VacuousRun", "aborted_requests",
     "assert_contract", "check", "check_pool", "clause", "clause_checks", "extend",
