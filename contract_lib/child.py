@@ -179,13 +179,13 @@ def _build(spec: dict[str, Any], loop_spec: loops.LoopSpec, emit,
     from contract_lib import compat, shims
 
     applied = shims.install_import_shims()
+    compat.install_import_compat()
     _check_sglang_release(spec)
-    from sglang.srt import runtime_context
     from sglang.srt.managers import scheduler as _scheduler_module  # noqa: F401
     from sglang.srt.server_args import PortArgs, ServerArgs
 
     timing["import_s"] = time.perf_counter() - started
-    applied += compat.install_release_compat()
+    applied += compat.install_import_compat() + compat.install_release_compat()
 
     from contract_lib.capture import Recorder
     from contract_lib.patches import apply_patch
@@ -235,15 +235,12 @@ def _build(spec: dict[str, Any], loop_spec: loops.LoopSpec, emit,
         check_loop_args(loop_spec, server_args, args, workload.server_args,
                         spec["server_args"], ServerArgs)
         port_args = PortArgs.init_new(server_args)
-        runtime_context.publish(server_args, role="scheduler",
-                                ranks=runtime_context.SpawnRanks(world_rank=0, dp_rank=None,
-                                                                 gpu_id=0))
         scheduler_class = shims.scheduler_class_for(loop_spec.mlx)
         if scheduler_class.__name__ != "Scheduler":
             applied.append("mlx-overlap-mixin")
         built = time.perf_counter()
         try:
-            scheduler = scheduler_class(server_args, port_args)
+            scheduler = compat.build_scheduler(scheduler_class, server_args, port_args)
         finally:
             _remove_ipc_names(port_args)  # built, or failed in its build
         timing["build_s"] = time.perf_counter() - built
@@ -254,6 +251,7 @@ def _build(spec: dict[str, Any], loop_spec: loops.LoopSpec, emit,
                    "enable_overlap": bool(scheduler.enable_overlap),
                    "enable_overlap_mlx": bool(scheduler.enable_overlap_mlx),
                    "resolved_args": resolved_args(scheduler),
+                   "absent_fields": compat.absent_fields(scheduler),
                    # the fake model's scripted tokens, {rid: [[position, token], ...]}
                    "script": {rid: sorted(tokens.items()) for rid, tokens
                               in workload.scripted_tokens().items()}}))

@@ -51,7 +51,8 @@ import pandas as pd
 
 from contract_lib import kvpool
 from contract_lib import loops as registry
-from contract_lib.contract import HOLDS, MASKED, NOT_EXERCISED, VIOLATED, Report, check
+from contract_lib.contract import (HOLDS, MASKED, NOT_EXERCISED, NOT_PRESENT, VIOLATED, Report,
+                                   check)
 from contract_lib.diffs import model_free_notes
 from contract_lib.frames import Frames
 from contract_lib.harness import frames_or_raise, run_many
@@ -86,7 +87,7 @@ PRECEDENCE = (Change.INTERRUPTED, Change.USAGE, Change.BROKE, Change.NOT_FINISHE
 # Cell statuses; ``damaged`` / ``intact``: the real runner's MLX KV pool row; ``leak`` /
 # ``balanced``: SGLang's pool conservation row (shown when a side leaked).
 _BAD = {VIOLATED, MASKED, KNOWN_UPSTREAM, "damaged", "leak"}
-_CLEAN = {HOLDS, NOT_EXERCISED, "intact", "balanced"}
+_CLEAN = {HOLDS, NOT_EXERCISED, NOT_PRESENT, "intact", "balanced"}
 _FATES = {SETUP_ERROR: Change.USAGE, VACUOUS: Change.VACUOUS,
           "interrupted": Change.INTERRUPTED}
 # A clause violated on both sides, more or less on the head: the exit code each counts as.

@@ -1,10 +1,11 @@
 """Per-step frames of one run: SGLang's own state at every step boundary and launch.
 
 **Step boundary.** Step ``k`` is the top of the scheduler loop's ``k``-th iteration: the
-entry of ``Scheduler.ingest_requests`` (the first call every loop makes), before that
-iteration's requests are fed in. The frame of step ``k`` therefore shows the state that
-iterations ``0..k-1`` left behind. The last step of a finished run is the first boundary
-at which every request has finished and nothing is in flight (``result_queue`` empty).
+entry of ``Scheduler.ingest_requests`` (the first call every loop makes; <= 0.5.19,
+``request_receiver.recv_requests``), before that iteration's requests are fed in. The
+frame of step ``k`` therefore shows the state that iterations ``0..k-1`` left behind. The
+last step of a finished run is the first boundary at which every request has finished
+and nothing is in flight (``result_queue`` empty).
 
 Tables (pandas DataFrames; the column lists below are the schema):
 
@@ -163,6 +164,8 @@ class RunMeta(RequiredMeta, total=False):
     enable_overlap: bool  # the scheduler's flags after construction
     enable_overlap_mlx: bool
     resolved_args: dict[str, Any]  # page_size, disable_radix_cache as the scheduler runs
+    # contract fields the release does not have (compat.absent_fields) -> why no violation
+    absent_fields: dict[str, str]
     timing: dict[str, float]  # the child's wall times (s): import, build, loop, total; loop CPU
     prompts: dict[str, list[int]]  # rid -> the prompt token ids it was fed with
     user_modules: dict[str, str | None]  # user modules the run loaded -> sha256
@@ -227,6 +230,12 @@ class Frames:
     @property
     def loop(self) -> str:
         return self.meta["loop"]
+
+    @property
+    def absent(self) -> dict[str, str]:
+        """The contract fields the run's SGLang does not have, each with why that is no
+        violation (meta ``absent_fields``; none in frames recorded without it)."""
+        return self.meta.get("absent_fields") or {}
 
     def output_tokens(self) -> dict[str, list[int]]:
         """Emitted token ids per request id."""

@@ -53,7 +53,7 @@ import sys
 import pandas as pd
 
 from contract_lib.capture import free_slot_mask
-from contract_lib.compat import radix_match_slots
+from contract_lib.compat import pool_layers, radix_match_slots, req_kv
 
 KIND_BY_CALLER = {
     "prefill_start": "prefill",
@@ -138,7 +138,7 @@ class KvPoolRecorder:
         rtt = self._req_to_token()
         holders: dict[int, tuple[str, int, int]] = {}
         for other, req in self.recorder.reqs.items():
-            kv = req.kv
+            kv = req_kv(req)
             if other == rid or kv.req_pool_idx is None or req.finished():
                 continue
             entries = rtt[kv.req_pool_idx, :kv.kv_allocated_len].tolist()
@@ -153,7 +153,7 @@ class KvPoolRecorder:
 
     def _record(self, rid: str | None, kind: str, start: int, slots: list[int]) -> None:
         req = self.recorder.reqs.get(rid)
-        row = None if req is None else req.kv.req_pool_idx
+        row = None if req is None else req_kv(req).req_pool_idx
         own = [] if row is None else self._req_to_token()[row, start:start + len(slots)].tolist()
         # The other live requests' slots and the allocator's free ones, read at the first
         # slot that is not the writer's own (most writes have none).
@@ -227,7 +227,7 @@ class KvPoolRecorder:
         if self._model is None:
             self._model = load_reference_model(self.model_dir)
         reference = reference_kv(self._model, tokens)
-        layers = list(self.runner._cache_layout.full_attention_layer_indices)
+        layers = pool_layers(self.runner._cache_layout)
         index = mx.array(slots, dtype=mx.int32)
         n = len(slots)
         diff = mx.zeros((n,))

@@ -22,6 +22,7 @@ import importlib.util
 import tomllib
 from typing import Callable, Iterable
 
+from contract_lib.compat import req_kv
 from contract_lib.paths import BUG_CATALOG
 from contract_lib.source_patch import PatchError, patch_source
 
@@ -209,7 +210,7 @@ def retire_released_requests(worker) -> None:
     nothing is in flight (before a fresh launch, at idle)."""
     launched = worker.__dict__.setdefault("_launched_reqs", {})
     for rid, req in list(launched.items()):
-        if req.finished() or req.kv.req_pool_idx is None:
+        if req.finished() or req_kv(req).req_pool_idx is None:
             worker._mlx_runner.remove_request(rid)
             worker._mlx_active_rids.discard(rid)
             getattr(worker, "_req_retraction_count", {}).pop(rid, None)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import importlib.util
 import json
 import os
 import selectors
@@ -45,13 +46,15 @@ from contract_lib.trust import peer_credentials
 def preload() -> None:
     """Import what every run imports (with the import-time shims), nothing run-specific:
     per-loop shims and patches are applied in each forked child, never in the server."""
-    from contract_lib import shims
+    from contract_lib import compat, shims
 
     shims.import_all()
     shims.install_import_shims()
+    compat.install_import_compat()
     import sglang.srt.hardware_backend.mlx.model_runner  # noqa: F401
     import sglang.srt.hardware_backend.mlx.model_runner_stub  # noqa: F401
-    import sglang.srt.hardware_backend.mlx.runtime  # noqa: F401
+    if importlib.util.find_spec("sglang.srt.hardware_backend.mlx.runtime"):  # 0.5.19+
+        import sglang.srt.hardware_backend.mlx.runtime  # noqa: F401
     import sglang.srt.hardware_backend.mlx.scheduler_mixin  # noqa: F401
     import sglang.srt.hardware_backend.mlx.tp_worker  # noqa: F401
     import sglang.srt.managers.scheduler  # noqa: F401
@@ -61,9 +64,7 @@ def preload() -> None:
     import sglang.srt.server_args  # noqa: F401
     import mlx_lm.models.llama  # noqa: F401  (the tiny model of the real MLX runner)
 
-    from contract_lib.compat import BUILD_IMPORTS
-
-    for name in BUILD_IMPORTS:  # what each Scheduler build would import afresh
+    for name in compat.BUILD_IMPORTS:  # what each Scheduler build would import afresh
         with contextlib.suppress(ImportError):  # a release without it
             importlib.import_module(name)
 

@@ -25,7 +25,14 @@ def patch_source(owner: object, name: str, replacements: list[tuple[str, str]],
     ``old`` must occur exactly once. The new function is compiled with the original's
     module globals, its decorators re-applied from the source.
     """
-    original = inspect.getattr_static(owner, name)
+    try:
+        original = inspect.getattr_static(owner, name)
+    except AttributeError:
+        from importlib import metadata
+
+        raise PatchError(
+            f"patch {label!r}: sglang {metadata.version('sglang')} has no "
+            f"{owner.__name__}.{name}, the code this patch changes") from None
     function = inspect.unwrap(original)
     try:
         source = textwrap.dedent(inspect.getsource(function))

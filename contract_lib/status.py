@@ -11,7 +11,7 @@ import dataclasses
 import pandas as pd
 
 from contract_lib.contract import (CLAUSES, EXTENDED_FIELDS, HOLDS, MASKED, NOT_EXERCISED,
-                                   POOL_ROW, VIOLATED, Report, check, origin)
+                                   NOT_PRESENT, POOL_ROW, VIOLATED, Report, check, origin)
 from contract_lib import loops as registry
 from contract_lib.harness import frames_or_raise, run_many
 from contract_lib.patches import PatchArg, patch_spec
@@ -37,7 +37,7 @@ SETUP_ERROR, VACUOUS = "setup-error", "vacuous"
 UNSUPPORTED = "unsupported"
 # Worst first: the status a (clause, loop) cell shows over several workloads.
 _SEVERITY = [VIOLATED, MASKED, SETUP_ERROR, "crashed", "died", "timeout", "interrupted",
-             VACUOUS, HOLDS, NOT_EXERCISED]
+             VACUOUS, HOLDS, NOT_EXERCISED, NOT_PRESENT]
 # The cell of a (clause, loop) whose every violating run reproduces catalogued upstream
 # bugs exactly (``Report.known``): reported, and no failure unless --strict-known.
 KNOWN_UPSTREAM = "known upstream"
@@ -184,6 +184,20 @@ class Status:
                & per_run["status"].isin([VIOLATED, MASKED]) & per_run["finding"].isna())
         return per_run[bad]
 
+    def absent(self) -> list[tuple[int, str, str]]:
+        """(clause, field, why) for every field of a clause the release does not have
+        (:attr:`contract_lib.frames.Frames.absent`; a reason may depend on what the
+        workload builds, e.g. its radix tree), over the runs."""
+        return sorted({(number, name, why) for report in self.reports.values()
+                       for number, result in report.clauses.items()
+                       for name, why in result.absent.items()})
+
+    def absent_note(self) -> list[str]:
+        """A line per field the release does not have: not checked, and why."""
+        where = f"sglang {self.sglang}" if self.sglang else "the venv's sglang"
+        return [f"(not present in {where}, not checked: clause {number} {name}: {why})"
+                for number, name, why in self.absent()]
+
     def known_upstream(self) -> pd.DataFrame:
         """Runs whose violations of a clause are exactly catalogued upstream bugs'
         (``finding``: their ids in ``data/bugs.toml``)."""
@@ -203,6 +217,7 @@ class Status:
         lines.append("")
         lines.append("(worst status over the workloads, and in how many of them it shows)")
         lines += _findings_note(table)
+        lines += self.absent_note()
         if self.shows_pool_row():
             lines.append("(KV pool conservation: leak = available + evictable + protected + "
                          "uncached != total at a step boundary, SGLang's own law)")
@@ -292,6 +307,8 @@ class ReleasesStatus:
         if any(s.kv_damaged for s in self.statuses):
             lines.append(KV_POOL_NOTE)
         lines += _findings_note(table)
+        for s in self.statuses:
+            lines += s.absent_note()
         for s in self.statuses:
             for workload, loop, state in s.runs_not_finished():
                 lines.append(f"run {workload} on {loop} (sglang {s.sglang}): {state}")

@@ -23,19 +23,21 @@ TREE_HASHES_DIR = PROJECT_ROOT / ".cache" / "sglang-trees"
 
 # What the harness hooks or replaces in SGLang, by file of the package: a class, or a
 # method of a class defined in that file (docs/contract.md and contract_lib/shims,
-# capture, patches). A tree lacking one cannot be driven.
+# capture). A tree lacking one cannot be driven. What only some releases have is probed
+# by contract_lib.compat (the step boundary ``ingest_requests``, 0.5.20+; the MLX runtime
+# gate ``hardware_backend/mlx/runtime.py``, 0.5.19+) or refused by the patch that needs
+# it (``_prepare_mlx_launch``, 0.5.17+).
 ANCHORS: dict[str, tuple[str, ...]] = {
     "sglang/srt/managers/scheduler.py": (
         "Scheduler.run_batch", "Scheduler.event_loop_normal", "Scheduler.event_loop_overlap",
-        "Scheduler.ingest_requests", "Scheduler.process_batch_result",
-        "Scheduler._add_request_to_queue", "Scheduler.is_fully_idle", "Scheduler.on_idle"),
+        "Scheduler.process_batch_result", "Scheduler._add_request_to_queue",
+        "Scheduler.is_fully_idle", "Scheduler.on_idle"),
     "sglang/srt/managers/tp_worker.py": ("TpModelWorker._init_model_runner",),
     "sglang/srt/managers/overlap_utils.py": ("FutureMap.stash",),
     "sglang/srt/mem_cache/memory_pool.py": ("ReqToTokenPool.write",),
     "sglang/srt/server_args.py": ("ServerArgs",),
     "sglang/srt/hardware_backend/mlx/scheduler_mixin.py": (
-        "SchedulerMlxOverlapMixin.event_loop_overlap_mlx",
-        "SchedulerMlxOverlapMixin._prepare_mlx_launch"),
+        "SchedulerMlxOverlapMixin.event_loop_overlap_mlx",),
     "sglang/srt/hardware_backend/mlx/tp_worker.py": (
         "MlxTpModelWorker._init_model_runner",
         "MlxTpModelWorker.async_forward_batch_generation_mlx",
@@ -43,7 +45,6 @@ ANCHORS: dict[str, tuple[str, ...]] = {
     "sglang/srt/hardware_backend/mlx/model_runner.py": (
         "MlxModelRunner", "MlxPendingPrefill", "MlxPendingExtend", "MlxPendingDecode"),
     "sglang/srt/hardware_backend/mlx/model_runner_stub.py": ("MlxModelRunnerStub",),
-    "sglang/srt/hardware_backend/mlx/runtime.py": (),
 }
 
 _HASH_LOCK = threading.Lock()

@@ -131,7 +131,19 @@ def loop_mismatch(meta: dict) -> str | None:
 def verdict(report: Any, kv_damaged: bool = False) -> Verdict:
     """The verdict on one checked run (``report``: a :class:`contract_lib.contract.Report`,
     not imported: the contract imports this module; ``kv_damaged``: the real runner damaged the MLX KV
-    pool, see :func:`contract_lib.kvpool.damaged`)."""
+    pool, see :func:`contract_lib.kvpool.damaged`). Its reason ends with the clauses'
+    fields the run's SGLang does not have, if any (no violation: nothing reads them)."""
+    found = _verdict(report, kv_damaged)
+    absent = [f"{name} (clause {number})" for number, r in report.clauses.items()
+              for name in getattr(r, "absent", {})]
+    if not absent:
+        return found
+    return Verdict(found.outcome, f"{found.reason}; not present in sglang "
+                                  f"{report.meta.get('sglang_version')} (no violation): "
+                                  f"{', '.join(absent)}")
+
+
+def _verdict(report: Any, kv_damaged: bool) -> Verdict:
     meta = report.meta
     status, error = meta.get("status"), meta.get("error") or {}
     failure = f"{error.get('type')}: {error.get('message')}" if error else ""

@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from contract_lib.compat import SUPPORTED_SGLANG_VERSIONS
+from contract_lib.compat import RELEASE_REQUIREMENTS, SUPPORTED_SGLANG_VERSIONS
 from contract_lib.installs import installed_version
 from contract_lib.paths import PROJECT_ROOT
 from contract_lib.trust import UntrustedError, own_directory
@@ -83,9 +83,16 @@ def release_folder(version: str) -> Path:
     return releases_dir() / version
 
 
+def requirements(version: str) -> list[str]:
+    """What ``version``'s folder holds: the release, and what else it imports that the
+    venv lacks (:data:`contract_lib.compat.RELEASE_REQUIREMENTS`)."""
+    return [f"sglang=={version}", *RELEASE_REQUIREMENTS.get(version, ())]
+
+
 def _complete(folder: Path, version: str) -> bool:
+    dists = [requirement.replace("==", "-") for requirement in requirements(version)]
     return ((folder / "sglang" / "__init__.py").is_file()
-            and (folder / f"sglang-{version}.dist-info").is_dir())
+            and all((folder / f"{dist}.dist-info").is_dir() for dist in dists))
 
 
 def installed_release_folders() -> list[Path]:
@@ -125,13 +132,14 @@ def trusted_install(folder: Path, label: str) -> bool:
 
 
 def install_release(version: str) -> Path:
-    """``pip install --no-deps --target <folder> sglang==<version>`` (~8 s, ~200 MB).
+    """``pip install --no-deps --target <folder> sglang==<version>`` and what else it
+    needs (:func:`requirements`; ~8 s, ~200 MB, 0.5.16-0.5.20 ~115 MB more).
 
     Raises :class:`SGLangInstallError` with pip's output when pip fails (most often:
     no network access to PyPI). See :func:`install_target`.
     """
     version = require_supported_sglang(version)
-    return install_target(release_folder(version), [f"sglang=={version}"],
+    return install_target(release_folder(version), requirements(version),
                           complete=lambda folder: _complete(folder, version),
                           label=f"sglang {version}", size_hint="~30 MB download")
 

@@ -113,6 +113,49 @@ def test_clause2_fails_on_an_output_token_nothing_produced(good, token, unknown_
 
 
 @pytest.mark.fast
+def test_a_field_the_release_does_not_have_is_not_present_not_violated(good):
+    """Batches without ``launch_ts`` violate clause 3, unless the run's SGLang has no such
+    field nor a reader of it (<= 0.5.16): then clause 3 checks the rest, lists the field
+    as not present with the reason, and the verdict says so."""
+    good.launches["launch_ts"] = None
+    good.launches["processed_launch_ts"] = None
+    first = _only(check(good), 3)
+    assert (first["field"], first["actual"]) == ("launch_ts", None)
+    why = ("sglang 0.5.16 has no ScheduleBatch.launch_ts nor its reader "
+           "Scheduler._record_step_counters")
+    good.meta["absent_fields"] = {"launch_ts": why}
+    report = check(good)
+    assert report.ok and report.clauses[3].status == HOLDS
+    assert report.clauses[3].absent == {"launch_ts": why}
+    assert f"field launch_ts not present in this release: {why}" in report.text()
+    assert report.verdict().reason.endswith(
+        "not present in sglang 0.5.23 (no violation): launch_ts (clause 3)")
+    good.launches.loc[good.launches.index[3], "forward_ct"] += 1  # the rest still checked
+    assert _only(check(good), 3)["field"] == "forward_ct"
+
+
+@pytest.mark.fast
+def test_where_the_release_does_not_record_what_it_kept_the_reuse_rule_judges(good):
+    """<= 0.5.20 release a finished request without writing what the radix tree kept into
+    its ``cache_protected_len``: the kept-at-release rule is not checked there, and a
+    later request reusing less than the request committed still fails clause 2."""
+    requests = good.requests
+    released = requests[(requests.rid == "a") & requests.req_pool_idx.isna()
+                        & requests.finished.astype(bool)]
+    requests.loc[released.index, "cache_protected_len"] = 16  # its prompt, as <= 0.5.20
+    assert _only(check(good), 2)["field"] == "cache_protected_len"
+    good.meta["absent_fields"] = {"cache_protected_len": "not written at release"}
+    report = check(good)
+    assert report.ok and report.clauses[2].absent == {
+        "cache_protected_len": "not written at release"}
+    a2 = requests.index[requests.rid == "a2"]
+    requests.loc[a2, "cached_tokens"] = 16  # a2 reused a's prompt only
+    first = _only(check(good), 2)
+    assert (first["field"], first["rid"], first["expected"], first["actual"]) == (
+        "cached_tokens", "a2", 27, 16)
+
+
+@pytest.mark.fast
 def test_clause3_fails_on_an_idle_gap_not_stamped(good):
     """two-turn's a2 is launched after steps in which nothing was: its batch must say so."""
     launches = good.launches

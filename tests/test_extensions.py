@@ -13,7 +13,7 @@ import pytest
 
 import contract_lib
 from contract_lib.cli import main
-from contract_lib.contract import HOLDS, NOT_EXERCISED, VIOLATED, check
+from contract_lib.contract import HOLDS, NOT_EXERCISED, NOT_PRESENT, VIOLATED, check
 from contract_lib.contract import EXTENSIONS, RFC
 from contract_lib.patches import BUILTIN_PATCHES, bug_catalog
 from contract_lib.status import KNOWN_UPSTREAM, Status
@@ -95,11 +95,20 @@ def test_clause6_fails_on_a_clock_that_runs_ahead_or_lags(torch_good):
 
 
 @pytest.mark.fast
-def test_clause6_not_exercised_without_a_counter_or_a_launch(torch_good):
+def test_clause6_not_present_without_a_counter_not_exercised_without_a_launch(torch_good):
+    """A release with no HRRN clock (<= 0.5.19) has clause 6 ``not-present``, the reason
+    in its note and the verdict; a run that launched nothing, ``not-exercised``."""
     frames = _copy(torch_good)
+    why = ("sglang 0.5.19 has no Scheduler.processed_tokens_counter and its reader "
+           "Scheduler._get_new_batch_prefill_raw does not read it")
+    frames.meta["absent_fields"] = {"processed_tokens_counter": why}
     frames.tables["steps"] = frames.steps.assign(processed_tokens_counter=None)
-    assert check(frames).clauses[6].note == "this SGLang has no processed_tokens_counter"
-    assert _status(frames, 6) == NOT_EXERCISED
+    report = check(frames)
+    result = report.clauses[6]
+    assert (result.status, result.note) == (NOT_PRESENT, why)
+    assert result.absent == {"processed_tokens_counter": why}
+    assert "not present in sglang" in report.verdict().reason
+    assert "processed_tokens_counter (clause 6)" in report.verdict().reason
     torch_good.tables["launches"] = torch_good.launches.iloc[0:0]
     assert _status(torch_good, 6) == NOT_EXERCISED
 

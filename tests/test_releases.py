@@ -1,4 +1,5 @@
-"""SGLang 0.5.21 and 0.5.22 beside the venv's 0.5.23, each from its own install folder.
+"""SGLang 0.5.21 and 0.5.22 beside the venv's 0.5.23, each from its own install folder
+(0.5.14-0.5.20: tests/test_history.py).
 
 The first use of each older release downloads its wheel (~30 MB) from PyPI once into
 ``.cache/sglang/<version>``; later sessions reuse the folder.
@@ -29,7 +30,7 @@ RELEASES = ("0.5.21", "0.5.22", "0.5.23")
 # -- choosing a release ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("version", ["0.5.20", "0.5.24", "0.4.0"])
+@pytest.mark.parametrize("version", ["0.5.13", "0.5.24", "0.4.0"])
 def test_unsupported_release_fails_before_anything_runs(version, monkeypatch):
     def no_install(*_args, **_kwargs):
         raise AssertionError("an unsupported release must not be installed")
@@ -38,14 +39,14 @@ def test_unsupported_release_fails_before_anything_runs(version, monkeypatch):
     monkeypatch.setattr(contract_lib.harness, "_execute", no_install)
     with pytest.raises(contract_lib.UnsupportedSGLangError,
                        match=rf"requested sglang: {version}.*supports sglang "
-                             r"0\.5\.23, 0\.5\.22, 0\.5\.21"):
+                             r"0\.5\.23, 0\.5\.22, .*, 0\.5\.15, 0\.5\.14"):
         contract_lib.run("two-turn", "mlx", sglang=version)
 
 
 def test_cli_rejects_an_unsupported_release(capsys):
     assert main(["check", "--loop", "mlx", "--workload", "two-turn",
-                 "--sglang", "0.5.20"]) == 2
-    assert "requested sglang: 0.5.20" in capsys.readouterr().err
+                 "--sglang", "0.5.13"]) == 2
+    assert "requested sglang: 0.5.13" in capsys.readouterr().err
 
 
 def test_the_venv_release_needs_no_folder():

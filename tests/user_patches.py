@@ -911,3 +911,21 @@ def idle_ignores_the_prealloc_queue():
     patch_source(Scheduler, "is_fully_idle", [(
         "idle &= len(self.disagg_decode_prealloc_queue.queue) == 0\n", "")],
         "idle-ignores-the-prealloc-queue")
+
+
+def shutdown_after_three_results():
+    """After the third ``process_batch_result`` the scheduler is asked to exit gracefully,
+    as a ``ShutdownReq`` does (it only sets ``gracefully_exit``): a loop that checks the
+    flag returns at its next iteration."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    real = Scheduler.process_batch_result
+
+    def process_batch_result(self, batch, result, *args, **kwargs):
+        out = real(self, batch, result, *args, **kwargs)
+        self.results_processed = getattr(self, "results_processed", 0) + 1
+        if self.results_processed == 3:
+            self.gracefully_exit = True
+        return out
+
+    Scheduler.process_batch_result = process_batch_result

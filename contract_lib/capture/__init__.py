@@ -3,8 +3,9 @@
 Nothing here changes what SGLang computes. Each hook wraps one SGLang call site,
 records, and calls the original:
 
-- ``Scheduler.ingest_requests`` (instance): the step boundary; also where scripted
-  requests are fed in and where the run is stopped.
+- ``Scheduler.ingest_requests`` (instance; <= 0.5.19 the scripted
+  ``request_receiver.recv_requests``, :func:`contract_lib.compat.step_boundary`): the step
+  boundary; also where scripted requests are fed in and where the run is stopped.
 - ``Scheduler._add_request_to_queue`` (instance): keeps a registry of every ``Req``.
 - ``Scheduler.process_batch_result`` (instance): completes the launch record.
 - ``ipc_channels.send_to_tokenizer.send_output`` (instance): the ``AbortReq`` outputs by

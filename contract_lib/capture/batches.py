@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from contract_lib.compat import free_pages
+
 
 def mode_name(batch) -> str | None:
     if batch is None or batch.is_empty():
@@ -62,8 +64,9 @@ def prefilled_tokens(batch, lanes: list[int] | None = None) -> int:
 def free_slot_mask(allocator) -> np.ndarray:
     """A mask over slot ids: True where the allocator holds the slot as free (its free
     pages, released or staged ones included, as SGLang's own census
-    ``get_all_free_pages`` lists them; a page is ``page_size`` slots, page 0 reserved)."""
+    ``get_all_free_pages`` lists them, :func:`contract_lib.compat.free_pages`; a page is
+    ``page_size`` slots, page 0 reserved)."""
     page = allocator.page_size
-    free_pages = np.zeros(allocator.size // page + 1, dtype=bool)
-    free_pages[allocator.get_all_free_pages().numpy()] = True
-    return free_pages if page == 1 else np.repeat(free_pages, page)
+    mask = np.zeros(allocator.size // page + 1, dtype=bool)
+    mask[free_pages(allocator).numpy()] = True
+    return mask if page == 1 else np.repeat(mask, page)

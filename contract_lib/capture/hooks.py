@@ -8,6 +8,7 @@ import numpy as np
 from contract_lib.capture.backend_state import BackendStateRecorder
 from contract_lib.capture.evictions import EvictionRecorder
 from contract_lib.loops import DECODE
+from contract_lib.compat import req_kv, step_boundary
 
 
 _FEW = 32  # lanes a decode write's index may have to be applied entry by entry
@@ -28,8 +29,8 @@ class HookInstaller:
 
     def install(self) -> None:
         s = self.s
-        boundary = "recv_requests" if self.omni else "ingest_requests"
-        real_ingest = getattr(s, boundary)
+        owner, boundary = (s, "recv_requests") if self.omni else step_boundary(s)
+        real_ingest = getattr(owner, boundary)
         real_add = s._add_request_to_queue
         real_process = s.process_batch_result
 
@@ -45,7 +46,7 @@ class HookInstaller:
             self.on_processed(batch, result)
             return real_process(batch, result, *args, **kwargs)
 
-        setattr(s, boundary, ingest_requests)
+        setattr(owner, boundary, ingest_requests)
         self._install_abort_output_hook()
         if self.omni:
             real_build = s.request_builder
@@ -139,21 +140,21 @@ class HookInstaller:
             # Each module's own binding is wrapped: a patch that rebound it there runs.
             module.resolve_forward_inputs = self._relay_reader(module.resolve_forward_inputs)
 
-        real_stash = future_map.stash
-        real_stash_bonus = future_map.stash_bonus_tokens
+        # The relay's writers (``stash_bonus_tokens``: 0.5.19+), each wrapped where the
+        # release has it.
+        for kind in ("stash", "stash_bonus_tokens"):
+            if hasattr(future_map, kind):
+                setattr(future_map, kind, self._relay_writer(getattr(future_map, kind), kind))
 
-        def stash(indices, payload, *args, **kwargs):
-            out = real_stash(indices, payload, *args, **kwargs)
-            self.on_relay_write(indices, "stash")
+    def _relay_writer(self, real_write, kind: str):
+        """A relay writer of the FutureMap, its writes recorded after they happen."""
+
+        def write(indices, payload, *args, **kwargs):
+            out = real_write(indices, payload, *args, **kwargs)
+            self.on_relay_write(indices, kind)
             return out
 
-        def stash_bonus_tokens(indices, bonus_tokens, *args, **kwargs):
-            out = real_stash_bonus(indices, bonus_tokens, *args, **kwargs)
-            self.on_relay_write(indices, "stash_bonus_tokens")
-            return out
-
-        future_map.stash = stash
-        future_map.stash_bonus_tokens = stash_bonus_tokens
+        return write
 
     def _relay_reader(self, real_resolve):
         """``resolve_forward_inputs`` as one module calls it, its reads recorded with
@@ -231,7 +232,7 @@ class HookInstaller:
     def _row_holders(self) -> np.ndarray:
         """Per ``req_to_token`` row: the registry index of the first request whose
         ``req_pool_idx`` it is (-1: none); rebuilt only when a request's row changed."""
-        rows_held = tuple(req.kv.req_pool_idx for req in self.reqs.values())
+        rows_held = tuple(req_kv(req).req_pool_idx for req in self.reqs.values())
         if rows_held != self._holders[0] or self._holders[1] is None:
             rows = self.written_by.shape[0]
             holders = np.full(rows, -1, dtype=np.int32)
@@ -258,13 +259,15 @@ class HookInstaller:
             self.on_mlx_launch(launch, None, chained=True)
             return launch
 
-        def finalize_mlx_result(launch, reqs):
+        def finalize_mlx_result(*args):
+            # (launch, reqs); <= 0.5.17 (prefills, extends, decode, mode, reqs): the first
+            # is the launch's key (compat.mlx_launch_parts), the last its requests
             self.produced = {}
-            result = real_finalize(launch, reqs)
+            result = real_finalize(*args)
             if result.next_token_ids is not None:
-                for req, token in zip(reqs, result.next_token_ids.tolist()):
+                for req, token in zip(args[-1], result.next_token_ids.tolist()):
                     self.latest_token[req.rid] = token
-            self.on_mlx_finalized(launch)
+            self.on_mlx_finalized(args[0])
             return result
 
         self._install_mlx_produced_hooks(getattr(worker, "_mlx_runner", None))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from contract_lib.capture.batches import (length, mode_name, prefill_lanes, prefilled_tokens,
                                           tolist)
+from contract_lib.compat import mlx_launch_parts, req_kv
 
 
 class LaunchRecording:
@@ -46,7 +47,7 @@ class LaunchRecording:
         for lane in lanes:
             self.kv_prefilled[rids[lane]] = self.kv_computed[rids[lane]]
         launch = self._launch_row(batch=batch, forward_iter=batch.forward_iter,
-                                  launch_ts=batch.launch_ts,
+                                  launch_ts=getattr(batch, "launch_ts", None),  # 0.5.17+
                                   mode=mode_name(batch), chained=False, rids=rids,
                                   prefilled_tokens=prefilled_tokens(batch, lanes),
                                   tokens=",".join(map(str, tokens)))
@@ -68,9 +69,9 @@ class LaunchRecording:
         values = ids[length(ids) - decodes:].tolist()
         taken = []
         for req, rid, value in zip(batch.reqs[prefills:], rids[prefills:], values):
-            latest = self.latest_token.get(rid)
+            latest, row = self.latest_token.get(rid), req_kv(req).req_pool_idx
             taken.append(("relay", ("fed", self.step, launch, self.loop, kind,
-                                    req.kv.req_pool_idx, rid, value, latest, value == latest)))
+                                    row, rid, value, latest, value == latest)))
         return taken
 
     def _forward_slots(self, batch, rids: list[str], seq_lens: list[int]) -> list[tuple]:
@@ -95,31 +96,37 @@ class LaunchRecording:
         return taken
 
     def on_mlx_launch(self, launch, batch, *, chained: bool) -> None:
-        rids = []
-        for pending in (*launch.prefills, *launch.extends):
-            self.kv_computed[pending.req_id] = int(pending.cache[0].offset)
+        key, prefills, extends, decode = mlx_launch_parts(launch)
+        rids, caches = [], self.s.tp_worker._mlx_runner._req_caches
+        for pending in (*prefills, *extends):
+            # An extend's cache is the runner's own (<= 0.5.17 keep none on the pending).
+            cache = getattr(pending, "cache", None) or caches[pending.req_id]
+            self.kv_computed[pending.req_id] = int(cache[0].offset)
             self.kv_prefilled[pending.req_id] = self.kv_computed[pending.req_id]
             rids.append(pending.req_id)
-        if launch.decode is not None:
-            for rid, cache in zip(launch.decode.req_ids, launch.decode.caches):
+        if decode is not None:
+            for rid, cache in zip(decode.req_ids, decode.caches):
                 self.kv_computed[rid] = int(cache[0].offset)
                 rids.append(rid)
         if batch is not None:
             rids = [req.rid for req in batch.reqs]
-            forward_iter, launch_ts, mode = batch.forward_iter, batch.launch_ts, mode_name(batch)
+            forward_iter, mode = batch.forward_iter, mode_name(batch)
+            launch_ts = getattr(batch, "launch_ts", None)  # 0.5.17+
         else:
             forward_iter, launch_ts, mode = None, None, "decode"
         self._emit_rows([self._launch_row(batch=batch, forward_iter=forward_iter,
                                           launch_ts=launch_ts,
                                           mode=mode, chained=chained, rids=rids,
                                           prefilled_tokens=prefilled_tokens(batch))])
-        self.mlx_unfinalized[id(launch)] = (self.launch_ct, rids, launch)
+        self.mlx_unfinalized[id(key)] = (self.launch_ct, rids, launch)
 
-    def on_mlx_finalized(self, launch) -> None:
-        """After ``finalize_mlx_result``: the tokens its runner calls produced (the model
-        boundary, per request id: not the worker's mapping of them onto the batch),
-        set on the launch's row in its ``rids`` order ("" for a lane without one)."""
-        number, rids, _ = self.mlx_unfinalized.pop(id(launch), (None, None, None))
+    def on_mlx_finalized(self, key) -> None:
+        """After ``finalize_mlx_result`` of the launch ``key``
+        (:func:`contract_lib.compat.mlx_launch_parts`): the tokens its runner calls
+        produced (the model boundary, per request id: not the worker's mapping of them
+        onto the batch), set on the launch's row in its ``rids`` order ("" for a lane
+        without one)."""
+        number, rids, _ = self.mlx_unfinalized.pop(id(key), (None, None, None))
         if number is not None:
             tokens = ",".join(str(self.produced.get(rid, "")) for rid in rids)
             self.emit(("update", "launches", "launch", number, {"tokens": tokens}))
@@ -156,7 +163,7 @@ class LaunchRecording:
         self.emit(("update", "launches", "launch", launch, {
             "processed_step": self.step,
             "processed_forward_iter": batch.forward_iter,
-            "processed_launch_ts": batch.launch_ts,
+            "processed_launch_ts": getattr(batch, "launch_ts", None),
             "processed_after_idle_gap": getattr(batch, "after_idle_gap", None),
         }))
 
@@ -166,7 +173,7 @@ class LaunchRecording:
         """``req_to_token`` row -> the first unfinished request holding it."""
         owners: dict[int, str] = {}
         for rid, req in self.reqs.items():
-            row = req.kv.req_pool_idx
+            row = req_kv(req).req_pool_idx
             if row is not None and row not in owners and not req.finished():
                 owners[row] = rid
         return owners

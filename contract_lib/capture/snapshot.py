@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from contract_lib.capture.batches import free_slot_mask, mode_name
-from contract_lib.compat import EmptyBatch, uncached_sizes
+from contract_lib.compat import EmptyBatch, req_kv, uncached_sizes
 
 
 class StepSnapshot:
@@ -33,7 +33,7 @@ class StepSnapshot:
         free = None  # the free-slot mask, taken at the first live row
         slot_rows = []
         for index, (rid, req) in enumerate(self.reqs.items()):
-            kv = req.kv
+            kv = req_kv(req)
             row = kv.req_pool_idx
             ended = self.ended(req)
             reason = (req.finished_reason.to_json() if req.finished_reason

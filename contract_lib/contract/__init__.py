@@ -16,7 +16,7 @@ carries SGLang's own KV pool conservation law (``available + evictable + protect
 uncached == total``, ``InvariantChecker``) evaluated at every step boundary.
 """
 
-from contract_lib.contract.base import (HOLDS, MASKED, NOT_EXERCISED, VIOLATED,
+from contract_lib.contract.base import (HOLDS, MASKED, NOT_EXERCISED, NOT_PRESENT, VIOLATED,
                                         VIOLATION_COLUMNS, ClauseResult, NotExercised,
                                         live_mask)
 # The clause modules, in clause order: importing one declares its clause.
@@ -36,7 +36,8 @@ from contract_lib.contract.report import (ABORTED_COLUMNS, POOL_ROW, ContractVio
 __all__ = [
     "ABORTED_COLUMNS", "BAD_SLOT_STATES", "CLAUSE_OF_FIELD", "CLAUSE_SETS", "CLAUSES",
     "EXTENDED_FIELDS", "EXTENSION_CLAUSES", "EXTENSIONS", "HOLDS", "MASKED",
-    "NOT_EXERCISED", "POOL_ROW", "REGISTRY", "RFC", "SLOT_STATES", "VIOLATED", "VIOLATION_COLUMNS",
+    "NOT_EXERCISED", "NOT_PRESENT", "POOL_ROW", "REGISTRY", "RFC", "SLOT_STATES", "VIOLATED",
+    "VIOLATION_COLUMNS",
     "Clause", "ClauseResult", "ContractViolation", "KnownMatch", "KnownUpstreamBug",
     "NotExercised", "Report",
     "RunDidNotFinish", "UntrustedVerdict", "VacuousRun", "aborted_requests",

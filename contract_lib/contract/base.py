@@ -10,6 +10,8 @@ import pandas as pd
 from contract_lib.contract.registry import CLAUSES
 
 HOLDS, VIOLATED, MASKED, NOT_EXERCISED = "holds", "violated", "violated-masked", "not-exercised"
+# The release has none of the clause's fields, and nothing in it reads them.
+NOT_PRESENT = "not-present"
 
 VIOLATION_COLUMNS = ["clause", "name", "field", "loop", "step", "launch", "rid", "expected",
                      "actual", "explanation"]
@@ -26,6 +28,8 @@ class ClauseResult:
     status: str
     note: str
     violations: pd.DataFrame
+    # The clause's fields the run's SGLang does not have -> why that is no violation.
+    absent: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def name(self) -> str:

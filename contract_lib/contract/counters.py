@@ -49,7 +49,7 @@ def _no_live_request(frames: Frames) -> str | None:
 
 @clause(2, "counters advanced", fields=tuple(_COUNTERS.values()),
         audit_fields=("seq_lens", "seq_lens_cpu", "orig_seq_lens", "seq_lens_sum",
-                      "kv_committed_len", "kv_allocated_len"),
+                      "kv_committed_len", "kv_allocated_len", "cache_protected_len"),
         readers=("release_kv_cache (owned_kv_len, bounded by kv_committed_len)",
                  "check_decode_mem", "retraction budget"),
         unexercised=_no_live_request)
@@ -72,8 +72,10 @@ def check_counters(frames: Frames) -> ClauseResult:
                            + "; radix insertion and release stop at the committed bound",
             "order": order}))
     released = _released(frames)
-    kept = released["cache_protected_len"].astype("int64")
     owned = _committed_pages(frames, released)
+    # What the tree kept, where the release records it (else the reuse rule alone).
+    recorded = "cache_protected_len" not in frames.absent
+    kept = released["cache_protected_len"].astype("int64") if recorded else owned
     bad = released[kept < owned]
     if len(bad):
         parts.append(pd.DataFrame({

@@ -29,7 +29,7 @@ from typing import Callable
 
 import pandas as pd
 
-from contract_lib.contract.base import NOT_EXERCISED
+from contract_lib.contract.base import NOT_EXERCISED, NOT_PRESENT
 from contract_lib.paths import BUG_CATALOG
 
 # Frames -> one row per place the clause checks: field, step, rid (None for a per-step
@@ -121,7 +121,8 @@ def judge(frames, results: dict) -> tuple[dict[int, list[KnownMatch]], list[Know
     patches = _patches(frames.meta)
     for bug in SIGNATURES.values():
         result = results.get(bug.clause)
-        if frames.loop not in bug.loops or result is None or result.status == NOT_EXERCISED:
+        if (frames.loop not in bug.loops or result is None
+                or result.status in (NOT_EXERCISED, NOT_PRESENT)):
             continue
         predicted = bug.predict(frames)
         deviating = predicted[predicted["expected"].astype(str)

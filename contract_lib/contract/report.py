@@ -10,8 +10,8 @@ from typing import Any
 
 import pandas as pd
 
-from contract_lib.contract.base import (NOT_EXERCISED, VIOLATION_COLUMNS, ClauseResult,
-                                        NotExercised, violations)
+from contract_lib.contract.base import (NOT_EXERCISED, NOT_PRESENT, VIOLATION_COLUMNS,
+                                        ClauseResult, NotExercised, violations)
 from contract_lib.contract.idle import never_overlapped
 from contract_lib.contract.known import KnownMatch, judge
 from contract_lib.contract.outputs import COLUMNS as OUTPUT_COLUMNS, wrong_outputs
@@ -113,7 +113,7 @@ class Report:
         reasons += [f"request {rid} is declared aborted ([expect] aborted), but SGLang did "
                     "not abort it" for rid in expect.get("declared_aborted", ())
                     if rid not in set(self.aborted["rid"])]
-        if (all(r.status == NOT_EXERCISED for r in self.clauses.values())
+        if (all(r.status in (NOT_EXERCISED, NOT_PRESENT) for r in self.clauses.values())
                 and not expect.get("vacuous")):
             reasons.append("no clause was exercised")
         return reasons
@@ -137,6 +137,7 @@ class Report:
                 "violations": len(result.violations), "first_step": first.get("step"),
                 "first_field": first.get("field"), "first_rid": first.get("rid"),
                 "note": result.note, "origin": origin(number),
+                "absent": ", ".join(result.absent) or None,
             })
         return pd.DataFrame(rows)
 
@@ -172,6 +173,10 @@ class Report:
             elif result.status == NOT_EXERCISED:
                 lines.append("")
                 lines.append(f"clause {number} ({result.name}): not exercised: {result.note}")
+            if result.absent:
+                lines.append("")
+                lines += [f"clause {number} ({result.name}): field {name} not present in this "
+                          f"release: {why}" for name, why in result.absent.items()]
         if leaks:
             first = self.pool.iloc[0]
             lines.append("")
@@ -192,8 +197,10 @@ class Report:
         outcome = self.verdict()
         # A violated run whose table shows nothing red (the outputs safety net) says why.
         unexplained = not leaks and all(r.first() is None for r in self.clauses.values())
+        absent = any(r.absent for r in self.clauses.values())
         if (outcome.outcome not in (Outcome.PASS, Outcome.VIOLATED) or not self.aborted.empty
-                or (outcome.outcome == Outcome.VIOLATED and unexplained) or self.known):
+                or (outcome.outcome == Outcome.VIOLATED and unexplained) or self.known
+                or absent):
             lines.append("")
             lines.append(outcome.line())
         return "\n".join(lines)
@@ -276,16 +283,24 @@ def aborted_requests(frames: Frames) -> pd.DataFrame:
 
 
 def evaluate(number: int, check_: Check, frames: Frames) -> ClauseResult:
-    """Run one clause's check: ``not-exercised`` (with the reason) when its declared
-    condition or the check itself says the run gave it nothing to check."""
+    """Run one clause's check: ``not-present`` when the run's SGLang has none of its
+    fields (:attr:`Frames.absent`), ``not-exercised`` (with the reason) when its
+    declared condition or the check itself says the run gave it nothing to check; the
+    result lists the clause's fields the release does not have (``absent``)."""
     declared = REGISTRY[number]
+    names = (*declared.fields, *declared.audit_fields, *declared.extended_fields)
+    absent = {name: why for name, why in frames.absent.items() if name in names}
+    if declared.fields and all(name in absent for name in declared.fields):
+        return ClauseResult(number, NOT_PRESENT, "; ".join(absent.values()),
+                            violations(number, frames.loop, []), absent)
     why = declared.unexercised(frames) if declared.unexercised else None
     if why is None:
         try:
-            return check_(frames)
+            return dataclasses.replace(check_(frames), absent=absent)
         except NotExercised as exc:
             why = str(exc)
-    return ClauseResult(number, NOT_EXERCISED, why, violations(number, frames.loop, []))
+    return ClauseResult(number, NOT_EXERCISED, why, violations(number, frames.loop, []),
+                        absent)
 
 
 def check(frames: Frames, clauses: str = "all", strict_known: bool = False) -> Report:

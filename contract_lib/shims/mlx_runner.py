@@ -195,6 +195,8 @@ class ModelFreeMlxRunner:
         import mlx.core as mx
         from sglang.srt.hardware_backend.mlx.model_runner import MlxPendingPrefill
 
+        from contract_lib.compat import mlx_pending
+
         full = list(full_token_ids)
         # The scheduler's request: where its output starts (a retracted request's
         # re-prefill carries its earlier output in ``full``).
@@ -214,8 +216,8 @@ class ModelFreeMlxRunner:
             cache.gathered([self._attention_kv_pool.contents.get(int(slot)) for slot in prefix])
         cache.feed(fed)
         self._sync_new_kv_to_pool([cache], len(prefix_slot_ids), list(new_slot_ids))
-        return MlxPendingPrefill(
-            lazy_token=token, cache=[cache], req_id=req_id,
+        return mlx_pending(
+            MlxPendingPrefill, lazy_token=token, cache=[cache], req_id=req_id,
             full_token_ids=full, req_pool_idx=req_pool_idx,
             synced_offset=len(prefix_slot_ids) + len(new_slot_ids))
 
@@ -233,6 +235,8 @@ class ModelFreeMlxRunner:
         import mlx.core as mx
         from sglang.srt.hardware_backend.mlx.model_runner import MlxPendingExtend
 
+        from contract_lib.compat import mlx_pending
+
         cache = self._req_caches[req_id]
         cache[0].upto(cache[0].offset)  # the chunk's contents go after every held position
         cache[0].offset += len(new_token_ids)
@@ -243,8 +247,8 @@ class ModelFreeMlxRunner:
         if not self.disable_radix_cache and new_slot_ids:
             self._sync_new_kv_to_pool(cache, synced, list(new_slot_ids))
             synced += len(new_slot_ids)
-        return MlxPendingExtend(lazy_token=token, cache=cache, req_id=req_id,
-                                new_token_ids=list(new_token_ids), new_synced_offset=synced)
+        return mlx_pending(MlxPendingExtend, lazy_token=token, cache=cache, req_id=req_id,
+                           new_token_ids=list(new_token_ids), new_synced_offset=synced)
 
     def extend_finalize(self, pending) -> int:
         token = int(pending.lazy_token.item())
@@ -259,12 +263,14 @@ class ModelFreeMlxRunner:
     def _decode(self, req_ids, caches, last_tokens, edit_rows=None, logprob_spec=None):
         from sglang.srt.hardware_backend.mlx.model_runner import MlxPendingDecode
 
+        from contract_lib.compat import mlx_pending
+
         for cache in caches:
             cache[0].offset += 1
         tokens = self._lazy_next(last_tokens, [cache[0].offset for cache in caches],
                                  list(req_ids), [cache[0].prompt_len for cache in caches])
-        return MlxPendingDecode(lazy_tokens=tokens, req_ids=list(req_ids), caches=caches,
-                                logprob_spec=logprob_spec, edit_rows=edit_rows)
+        return mlx_pending(MlxPendingDecode, lazy_tokens=tokens, req_ids=list(req_ids),
+                           caches=caches, logprob_spec=logprob_spec, edit_rows=edit_rows)
 
     def decode_batch_start(self, req_ids, edit_rows=None, logprob_spec=None,
                            logits_hook=None):
@@ -275,8 +281,9 @@ class ModelFreeMlxRunner:
         return self._decode(req_ids, caches, last, edit_rows, logprob_spec)
 
     def decode_batch_start_chained(self, prev):
-        return self._decode(prev.req_ids, prev.caches, prev.lazy_tokens,
-                            prev.edit_rows, prev.logprob_spec)
+        return self._decode(prev.req_ids, prev.caches, prev.lazy_tokens,  # <= 0.5.17: no
+                            getattr(prev, "edit_rows", None),  # edit rows, logprob spec
+                            getattr(prev, "logprob_spec", None))
 
     def decode_batch_finalize(self, pending) -> list[int]:
         raw = pending.lazy_tokens.tolist()

@@ -12,6 +12,7 @@ import importlib.util
 import platform
 import sys
 import types
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -53,7 +54,8 @@ def install_import_shims() -> list[str]:
 
 
 def _install_sglang_triton_standin() -> None:
-    """Load SGLang's own Triton stand-in (``sglang/_platform_stubs.py``).
+    """Load SGLang's own Triton stand-in (``sglang/_platform_stubs.py``; which release's:
+    :func:`contract_lib.compat.triton_standin`).
 
     Why: ``sglang/srt/utils/common.py`` does ``import triton`` unconditionally; real
     triton is ~900 MB and has no use without a GPU. SGLang ships a complete stand-in for
@@ -63,10 +65,12 @@ def _install_sglang_triton_standin() -> None:
     "Apple"; its MPS-only patches touch ``torch.mps`` attributes and ``non_blocking``
     copies *to MPS*, neither of which a CPU run uses.
     """
+    from contract_lib.compat import TRITON_STANDIN, triton_standin
+
     spec = importlib.util.find_spec("sglang")
     if spec is None or not spec.submodule_search_locations:
         raise ImportError("sglang is not installed")
-    path = f"{list(spec.submodule_search_locations)[0]}/_platform_stubs.py"
+    path = triton_standin(Path(list(spec.submodule_search_locations)[0]))
     stub_spec = importlib.util.spec_from_file_location("_contract_lib_sglang_platform_stubs", path)
     module = importlib.util.module_from_spec(stub_spec)
     sys.modules[stub_spec.name] = module
@@ -78,7 +82,7 @@ def _install_sglang_triton_standin() -> None:
         mock.patch.object(module.platform, "machine", lambda: "arm64"),
         mock.patch.object(torch.backends.mps, "is_available", lambda: True),
     ):
-        module.install_platform_stubs()
+        getattr(module, TRITON_STANDIN[1])()
 
 
 class _AnyAttribute(types.ModuleType):
@@ -149,12 +153,14 @@ def install_mlx_runtime_gate_shim() -> bool:
     Why: ``hardware_backend/mlx/runtime._validate_runtime`` demands an MPS device and a
     Metal device; on Linux MLX runs on its CPU backend (``mlx[cpu]``), which is enough
     for the lazy-graph semantics the loop relies on. Returns False (no shim) where the
-    real gate passes.
+    real gate passes, or where the release has none
+    (:func:`contract_lib.compat.mlx_runtime_gate`).
     """
-    if on_apple_silicon_with_mlx():
-        return False
-    from sglang.srt.hardware_backend.mlx import runtime
+    from contract_lib.compat import mlx_runtime_gate
 
+    runtime = mlx_runtime_gate()
+    if on_apple_silicon_with_mlx() or runtime is None:
+        return False
     runtime._validate_runtime = lambda: None
     runtime.use_mlx.cache_clear()
     return True

@@ -11,21 +11,27 @@ from contract_lib.shims.model import next_token, scripted_token
 def install_torch_model_free_forward(on_launch: Callable[[Any, list[int]], None]) -> None:
     """Torch loops: SGLang's bookkeeping-only runner, and a next-token function as forward.
 
-    Why: there are no weights to load. ``TpModelWorker._init_model_runner`` builds
-    SGLang's own ``MlxModelRunnerStub``, which creates the real ``ReqToTokenPool`` and
-    ``TokenToKVPoolAllocator`` over a zero-byte KV cache and loads nothing. The forward
-    reads the real resolved ``batch.input_ids`` (decode: one id per request, relayed
-    through the FutureMap; extend: each request's segment) and ``batch.seq_lens``.
-    ``on_launch(batch, tokens)`` is the capture hook, called at every forward launch.
+    Why: there are no weights to load. ``TpModelWorker._init_model_runner`` runs as the
+    release wrote it, except that the ``ModelRunner`` it builds is SGLang's own
+    ``MlxModelRunnerStub`` (with the same arguments), which creates the real
+    ``ReqToTokenPool`` and ``TokenToKVPoolAllocator`` over a zero-byte KV cache and loads
+    nothing. The forward reads the real resolved ``batch.input_ids`` (decode: one id per
+    request, relayed through the FutureMap; extend: each request's segment) and
+    ``batch.seq_lens``. ``on_launch(batch, tokens)`` is the capture hook, called at every
+    forward launch.
     """
     from sglang.srt.managers.tp_worker import TpModelWorker
+    from sglang.srt.model_executor import model_runner
+
+    real_init = TpModelWorker._init_model_runner
 
     def _init_model_runner(self) -> None:
-        self._model_runner = bookkeeping_runner(
-            self, is_draft_worker=self.is_draft_worker,
-            req_to_token_pool=self.req_to_token_pool,
-            token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
-            memory_pool_config=self.memory_pool_config)
+        real_class = model_runner.ModelRunner
+        model_runner.ModelRunner = stub_runner
+        try:
+            real_init(self)
+        finally:
+            model_runner.ModelRunner = real_class
 
     def forward_batch_generation(self, batch, *args, **kwargs):
         tokens = model_free_tokens(batch)
@@ -37,9 +43,21 @@ def install_torch_model_free_forward(on_launch: Callable[[Any, list[int]], None]
 
 
 def bookkeeping_runner(worker, **kwargs: Any):
-    """SGLang's ``MlxModelRunnerStub`` for ``worker``: the real ``ReqToTokenPool`` and
-    KV allocator over a zero-byte KV cache, no weights loaded; its pool holds
-    ``max_total_tokens`` slots (``BASE_SERVER_ARGS``), rounded down to whole pages.
+    """:func:`stub_runner` for ``worker`` (a worker that is not a ``TpModelWorker``)."""
+    from contract_lib.compat import schedule_args
+
+    return stub_runner(
+        model_config=worker.model_config,
+        mem_fraction_static=schedule_args(worker.server_args).mem_fraction_static,
+        gpu_id=worker.gpu_id, nccl_port=worker.nccl_port, server_args=worker.server_args,
+        **kwargs)
+
+
+def stub_runner(**kwargs: Any):
+    """SGLang's ``MlxModelRunnerStub`` built with a ``ModelRunner``'s arguments: the real
+    ``ReqToTokenPool`` and KV allocator over a zero-byte KV cache, no weights loaded;
+    its pool holds ``max_total_tokens`` slots (``BASE_SERVER_ARGS``), rounded down to
+    whole pages.
 
     With ``page_size > 1`` the allocator is the paged one SGLang's model runner builds
     for that page size (:func:`use_paged_allocator`): the stub, written for the MLX
@@ -47,16 +65,14 @@ def bookkeeping_runner(worker, **kwargs: Any):
     cannot use ("alloc_extend is only for paged allocator" at the first prefill).
     """
     from sglang.srt.hardware_backend.mlx.model_runner_stub import MlxModelRunnerStub
-    from sglang.srt.runtime_context import get_schedule
 
-    page_size = int(get_schedule().page_size or 1)
+    from contract_lib.compat import schedule_args
+
+    schedule = schedule_args(kwargs["server_args"])
+    page_size = int(schedule.page_size or 1)
     # As the model runner's pool configurator: whole pages only.
-    pool_size = get_schedule().max_total_tokens // page_size * page_size
-    runner = MlxModelRunnerStub(
-        model_config=worker.model_config,
-        mem_fraction_static=get_schedule().mem_fraction_static,
-        gpu_id=worker.gpu_id, nccl_port=worker.nccl_port, server_args=worker.server_args,
-        mlx_pool_size=pool_size, **kwargs)
+    pool_size = schedule.max_total_tokens // page_size * page_size
+    runner = MlxModelRunnerStub(mlx_pool_size=pool_size, **kwargs)
     if page_size > 1:
         use_paged_allocator(runner, page_size)
     return runner
