@@ -1,0 +1,66 @@
+"""The dtype of every frame column, the same on every path: a fresh run, a frames file,
+the frame cache.
+
+A column's kind is declared by its name (a name has one kind in every table of
+:data:`contract_lib.frames.COLUMNS`); its dtype then depends only on which values are
+missing, never on their Python types, because JSON has no NaN: a run and the same run
+read back from a file (None where it had NaN) get equal tables, dtypes included.
+
+- ``int``: int64; float64 with NaN when a value is missing (int64 has no missing value).
+- ``float``: float64, NaN for a missing value.
+- ``bool``: bool; object with None for a missing value when one is.
+- ``str``: pandas' ``str``, NaN for a missing value.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+KINDS: dict[str, tuple[str, ...]] = {
+    "int": ("step", "forward_ct", "result_queue_len", "running_bs", "waiting_len",
+            "kv_total", "kv_available", "kv_evictable", "kv_protected", "kv_uncached",
+            "rows_free", "rows_total", "processed_tokens_counter", "launch", "forward_iter",
+            "processed_step", "processed_forward_iter", "prefilled_tokens", "prompt_len",
+            "emitted", "req_pool_idx", "seq_len", "kv_computed", "kv_committed_len",
+            "kv_allocated_len", "cache_protected_len", "cached_tokens", "retractions",
+            "decode_batch_idx", "kv_prefilled", "max_new_tokens", "finish_matched",
+            "position", "slot", "row", "value", "last_published", "index", "token", "count",
+            "changed", "need", "available", "asked", "evictable_before", "evictable_after"),
+    "float": ("wall_time", "launch_ts", "processed_launch_ts", "max_abs_diff"),
+    "bool": ("is_fully_idle", "idle_probe", "enable_overlap", "enable_overlap_mlx",
+             "pool_leak", "chained", "processed_after_idle_gap", "finished", "slot_free",
+             "written", "published_for_rid"),
+    "str": ("loop", "running_mode", "last_batch_mode", "mode", "rids", "tokens", "rid",
+            "finish_reason", "finish_message", "event", "kind", "object", "field",
+            "location", "target", "owner", "structure", "verdict"),
+}
+KIND_OF: dict[str, str] = {column: kind for kind, names in KINDS.items() for column in names}
+
+# What pandas' ``infer_dtype`` (missing values skipped) may call each kind's values.
+_NUMBERS = {"integer", "floating", "mixed-integer-float", "empty"}
+_INFERRED = {"int": _NUMBERS, "float": _NUMBERS, "bool": {"boolean", "empty"},
+             "str": {"string", "empty"}}
+
+
+def typed(table: pd.DataFrame) -> pd.DataFrame:
+    """``table`` with every column in its kind's dtype (module docstring). Values of
+    another kind (a string in an int column, a fraction in an int column) raise
+    ValueError naming the column."""
+    for column in table.columns:
+        kind, values = KIND_OF[column], table[column]
+        missing = values.isna()
+        inferred = pd.api.types.infer_dtype(values, skipna=True)
+        if inferred not in _INFERRED[kind] or (
+                kind == "int" and inferred != "integer" and (values[~missing] % 1 != 0).any()):
+            raise ValueError(f"column {column!r} holds {inferred} values, not {kind}")
+        if kind == "float" or (kind == "int" and missing.any()):
+            table[column] = values.astype("float64")
+        elif kind == "int":
+            table[column] = values.astype("int64")
+        elif kind == "str":
+            table[column] = values.astype("str")
+        elif missing.any():  # bool with a missing value: object, None for it
+            table[column] = values.astype(object).where(~missing, None)
+        else:
+            table[column] = values.astype(bool)
+    return table
