@@ -14,6 +14,8 @@ read back from a file (None where it had NaN) get equal tables, dtypes included.
 
 from __future__ import annotations
 
+import functools
+
 import pandas as pd
 
 KINDS: dict[str, tuple[str, ...]] = {
@@ -36,6 +38,8 @@ KINDS: dict[str, tuple[str, ...]] = {
 }
 KIND_OF: dict[str, str] = {column: kind for kind, names in KINDS.items() for column in names}
 
+# Each kind's dtype when no value is missing (and ``float``'s, ``str``'s always).
+_DTYPE = {"int": "int64", "float": "float64", "bool": "bool", "str": "str"}
 # What pandas' ``infer_dtype`` (missing values skipped) may call each kind's values.
 _NUMBERS = {"integer", "floating", "mixed-integer-float", "empty"}
 _INFERRED = {"int": _NUMBERS, "float": _NUMBERS, "bool": {"boolean", "empty"},
@@ -46,21 +50,37 @@ def typed(table: pd.DataFrame) -> pd.DataFrame:
     """``table`` with every column in its kind's dtype (module docstring). Values of
     another kind (a string in an int column, a fraction in an int column) raise
     ValueError naming the column."""
+    if table.empty:
+        return _empty(tuple(table.columns)).copy()
+    fixed = {}
     for column in table.columns:
         kind, values = KIND_OF[column], table[column]
-        missing = values.isna()
-        inferred = pd.api.types.infer_dtype(values, skipna=True)
-        if inferred not in _INFERRED[kind] or (
-                kind == "int" and inferred != "integer" and (values[~missing] % 1 != 0).any()):
-            raise ValueError(f"column {column!r} holds {inferred} values, not {kind}")
-        if kind == "float" or (kind == "int" and missing.any()):
-            table[column] = values.astype("float64")
-        elif kind == "int":
-            table[column] = values.astype("int64")
-        elif kind == "str":
-            table[column] = values.astype("str")
-        elif missing.any():  # bool with a missing value: object, None for it
-            table[column] = values.astype(object).where(~missing, None)
-        else:
-            table[column] = values.astype(bool)
-    return table
+        if values.dtype != _DTYPE[kind]:  # else what pandas inferred (the common case)
+            fixed[column] = _converted(column, kind, values)
+    return table.assign(**fixed) if fixed else table
+
+
+@functools.lru_cache(maxsize=None)
+def _empty(columns: tuple[str, ...]) -> pd.DataFrame:
+    """A table of no rows, each column in its kind's dtype (copied by each caller)."""
+    return pd.DataFrame({column: pd.Series(dtype=_DTYPE[KIND_OF[column]])
+                         for column in columns})
+
+
+def _converted(column: str, kind: str, values: pd.Series) -> pd.Series:
+    """``values`` (a column pandas gave another dtype) in its kind's dtype."""
+    missing = values.isna().to_numpy()
+    inferred = pd.api.types.infer_dtype(values, skipna=True)
+    present = values.to_numpy()[~missing]
+    if inferred not in _INFERRED[kind] or (
+            kind == "int" and inferred != "integer" and (present.astype(float) % 1).any()):
+        raise ValueError(f"column {column!r} holds {inferred} values, not {kind}")
+    if kind == "float" or (kind == "int" and missing.any()):
+        return values.astype("float64")
+    if kind == "int":
+        return values.astype("int64")
+    if kind == "str":
+        return values.astype("str")
+    if missing.any():  # bool with a missing value: object, None for it
+        return values.astype(object).where(~missing, None)
+    return values.astype(bool)
