@@ -140,14 +140,14 @@ def step_snapshot(frames: Frames, step: int, rid: str, report: Report | None = N
 
 def step_figure(frames: Frames, step: int, rid: str | None) -> Figure:
     """One request at one step: its counters over the run (the step marked) and its
-    ``req_to_token`` row at that step coloured by clause-1 state (a note instead, for a
-    request the run never knew)."""
+    ``req_to_token`` row at that step coloured by clause-1 state; a note for ``rid``
+    None (a run that stopped before the scheduler knew any request, :func:`triage_focus`),
+    a ValueError naming the known ones for a request not in the run."""
     fig = Figure(figsize=(11, 4.6), layout="constrained")
-    if rid is None or not (frames.requests["rid"] == rid).any():
+    if rid is None:
         ax = fig.subplots()
-        ax.text(0.5, 0.5, f"{run_label(frames)}: no request known to the scheduler"
-                if rid is None else f"{run_label(frames)}: request {rid} never known to "
-                "the scheduler", ha="center", va="center", transform=ax.transAxes)
+        ax.text(0.5, 0.5, f"{run_label(frames)}: no request known to the scheduler",
+                ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()
         return fig
     left, right = fig.subplots(1, 2, width_ratios=(1, 1.3))
