@@ -7,7 +7,8 @@ generated), then generates workloads (:mod:`contract_lib.generation`), runs each
 violated (with ``clause=N``, only clause N counts); a run that crashed, died or timed
 out (``not-finished``); or output tokens unequal to the unpatched torch ``normal`` loop's
 on the same workload (``tokens``: the model-free forward is a deterministic function of
-the context, so every correct loop emits the same tokens). Hypothesis shrinks it to a
+the context, so every correct loop emits the same tokens for every request that
+finished; :func:`~contract_lib.contract.outputs.same_tokens`). Hypothesis shrinks it to a
 minimal workload with the same kind and clause; :func:`write_found` saves it as TOML. A
 run SGLang rejects in set-up, or a vacuous one, is discarded (``hypothesis.reject``).
 
@@ -33,6 +34,7 @@ from hypothesis.errors import Unsatisfiable
 
 from contract_lib import loops
 from contract_lib.contract import CLAUSES, Report, check, sglang_finding, violation_message
+from contract_lib.contract.outputs import same_tokens
 from contract_lib.frames import Frames, run_title
 from contract_lib.harness import RunSetupError, frames_or_raise, run, run_many
 from contract_lib.patches import PatchSpec, patch_spec
@@ -155,8 +157,8 @@ def judge(frames: Frames, reference: Frames | None, clause: int | None,
                        f"{error.get('message')}", step=frames.meta.get("steps"))
     if reference is not None and reference.status == "finished":
         ours, theirs = frames.output_tokens(), reference.output_tokens()
-        for rid in sorted(set(ours) | set(theirs)):
-            if ours.get(rid) != theirs.get(rid):
+        for rid, same in same_tokens(frames, reference).items():
+            if not same:
                 return Finding("tokens", f"request {rid}: {frames.loop} emitted "
                                f"{ours.get(rid)}, {REFERENCE_LOOP} emitted "
                                f"{theirs.get(rid)}", field="outputs")

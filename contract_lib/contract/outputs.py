@@ -47,3 +47,32 @@ def wrong_outputs(frames: Frames) -> pd.DataFrame:
     for row in rows:
         row["step"] = steps.get(row["rid"], last_step)
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def same_tokens(run: Frames, other: Frames) -> dict[str, bool]:
+    """Per request that finished in both runs of one workload (in ``run``'s request
+    order), whether the two emitted the same tokens, as every correct loop must: a
+    request that finished by a stop or its length emits exactly the same tokens; one
+    aborted in either run may stop a token apart (an abort lands at a step, and each loop
+    steps at its own cadence), so the shorter output must begin the longer. A request
+    that did not finish in both (a run that stopped early) is not compared."""
+    ends = [_finish_reasons(frames) for frames in (run, other)]
+    tokens = [frames.output_tokens() for frames in (run, other)]
+    same = {}
+    for rid in ends[0]:
+        if rid not in ends[1]:
+            continue
+        ours, theirs = tokens[0].get(rid, []), tokens[1].get(rid, [])
+        if "abort" in (ends[0][rid], ends[1][rid]):
+            shorter, longer = sorted((ours, theirs), key=len)
+            same[rid] = longer[:len(shorter)] == shorter
+        else:
+            same[rid] = ours == theirs
+    return same
+
+
+def _finish_reasons(frames: Frames) -> dict[str, str]:
+    """Each request that finished in the run, in request order: its finish reason."""
+    last = frames.requests.drop_duplicates("rid", keep="last").set_index("rid")
+    return {rid: str(last.at[rid, "finish_reason"])
+            for rid in dict.fromkeys(frames.requests["rid"]) if last.at[rid, "finished"]}
