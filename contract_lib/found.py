@@ -23,7 +23,7 @@ def to_toml(workload: Workload, header: list[str]) -> str:
     """The workload as a TOML file (``#`` header lines first) that :func:`load_workload`
     reads back to an equal workload: every field of :class:`Workload` and
     :class:`RequestSpec` that differs from its default is written."""
-    lines = [f"# {line}" if line else "#" for line in "\n".join(header).split("\n")]
+    lines = [f"# {part}" if part else "#" for line in header for part in line.split("\n")]
     lines += [f"name = {_toml(workload.name)}", f"max_steps = {workload.max_steps}"]
     if workload.max_seconds is not None:
         lines.append(f"max_seconds = {_toml(workload.max_seconds)}")

@@ -385,3 +385,10 @@ def test_to_toml_round_trips_every_workload_field(workload):
     workload = workload if isinstance(workload, Workload) else load_workload(workload)
     text = to_toml(workload, ["a header", "", "line"])
     assert Workload.from_dict(tomllib.loads(text), source="to_toml") == workload
+
+
+@pytest.mark.fast
+def test_to_toml_header_lines_are_comments_and_none_is_none():
+    assert to_toml(ALL_FIELDS, []).startswith("name = ")
+    text = to_toml(ALL_FIELDS, ["found by: x", "a line\nwith a newline", ""])
+    assert text.startswith("# found by: x\n# a line\n# with a newline\n#\nname = ")
