@@ -10,6 +10,7 @@ import io
 import json
 import math
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -291,15 +292,20 @@ def test_a_poisoned_entry_of_another_loop_is_discarded(private_cache):
     assert contract_lib.run("single-decode", "mlx").meta.get("cached") is True
 
 
-def test_an_entry_edited_after_it_was_stored_is_discarded(private_cache):
-    """Well-shaped but changed contents (a cell of the wrong type here) would make every
-    check raise; the entry's tables digest catches any change."""
+@pytest.mark.parametrize("value, reason", [
+    (7, "its tables changed after it was stored"),
+    ("zero", "table 'steps': column 'step' holds mixed-integer values, not int"),
+], ids=["same kind", "another kind"])
+def test_an_entry_edited_after_it_was_stored_is_discarded(private_cache, value, reason):
+    """Well-shaped but changed contents: the entry's tables digest catches any change,
+    and a cell of another kind than its column's (which would make every check raise)
+    is refused first, naming the table and column."""
     contract_lib.run("single-decode", "normal")
     (entry,) = _entries(private_cache)
     payload = json.loads(entry.read_text())
-    payload["tables"]["steps"]["data"][0][0] = "zero"
+    payload["tables"]["steps"]["data"][0][0] = value
     entry.write_text(json.dumps(payload))
-    with pytest.warns(cache.CacheWarning, match="tables changed"):
+    with pytest.warns(cache.CacheWarning, match=re.escape(reason)):
         frames = contract_lib.run("single-decode", "normal")
     assert "cached" not in frames.meta and frames.steps.step.iloc[0] == 0
     assert check(contract_lib.run("single-decode", "normal"), clauses="rfc").ok
