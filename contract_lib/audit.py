@@ -37,6 +37,7 @@ from contract_lib.contract import CLAUSE_OF_FIELD
 from contract_lib.frames import Frames
 from contract_lib.harness import frames_or_raise, run_many
 from contract_lib.patches import PatchArg, patch_spec
+from contract_lib.sources import Source, resolve
 from contract_lib.verdict import Outcome, setup_failed
 
 # The effects audit compares the default loops (SGLang's own, not sglang-omni's): the
@@ -94,22 +95,29 @@ def cadence(effects: pd.DataFrame, launches: pd.DataFrame) -> pd.DataFrame:
                                        "locations"])
 
 
-@functools.lru_cache(maxsize=1)
-def _sglang_sources() -> tuple[tuple[str, tuple[str, ...]], ...]:
-    spec = importlib.util.find_spec("sglang")
-    root = Path(list(spec.submodule_search_locations)[0]) / "srt"
+@functools.lru_cache(maxsize=2)
+def _sglang_sources(sglang_dir: Path | None) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Every ``sglang/srt`` source file's lines, of the folder a run imports SGLang from
+    (None: the venv's)."""
+    if sglang_dir is None:
+        spec = importlib.util.find_spec("sglang")
+        root = Path(list(spec.submodule_search_locations)[0]) / "srt"
+    else:
+        root = Path(sglang_dir) / "sglang" / "srt"
     return tuple((str(path.relative_to(root)), tuple(path.read_text(errors="replace")
                                                      .splitlines()))
                  for path in sorted(root.rglob("*.py")))
 
 
-def readers(field: str, limit: int = 4) -> tuple[int, list[str]]:
-    """Sites in the installed SGLang that read ``.field`` (not assignments to it):
-    how many, and the first ``limit`` as ``path:line``."""
+def readers(field: str, limit: int = 4,
+            sglang_dir: Path | None = None) -> tuple[int, list[str]]:
+    """Sites in the SGLang of ``sglang_dir`` (None: the installed one) that read
+    ``.field`` (not assignments to it): how many, and the first ``limit`` as
+    ``path:line``."""
     name = field.removesuffix("[]")
     pattern = re.compile(rf"\.{re.escape(name)}\b(?!\s*(=[^=]|\+=|-=|\[[^\]]*\]\s*=[^=]))")
     sites = []
-    for path, lines in _sglang_sources():
+    for path, lines in _sglang_sources(sglang_dir):
         for number, line in enumerate(lines, 1):
             code = line.split("#", 1)[0]
             if pattern.search(code):
@@ -136,9 +144,11 @@ class Audit:
     cadences: dict[str, pd.DataFrame]
     findings: pd.DataFrame
     noise: pd.DataFrame
+    sglang: str | None = None  # the runs' SGLang, as reports name it
 
     def text(self) -> str:
         patch = f" with patch {self.patch}" if self.patch else ""
+        patch += f" on sglang {self.sglang}" if self.sglang else ""
         lines = [f"effects audit: {self.workload}{patch}: fields both torch loops write at "
                  f"every decode launch that {CANDIDATE_LOOP} writes at another cadence", ""]
         if self.findings.empty:
@@ -158,8 +168,10 @@ class Audit:
         return "\n".join(lines)
 
 
-def compare(frames: dict[str, Frames], workload: str, patch: str | None = None) -> Audit:
-    """Findings from audit runs of the same workload on every loop."""
+def compare(frames: dict[str, Frames], workload: str, patch: str | None = None,
+            source: Source | None = None) -> Audit:
+    """Findings from audit runs of the same workload on every loop; ``source``: their
+    SGLang, whose code the readers are looked up in (None: the installed one)."""
     def part(frames_: Frames, constructing: bool) -> pd.DataFrame:
         effects = frames_.effects[frames_.effects["changed"] > 0]
         mask = effects["location"].map(_constructing)
@@ -190,7 +202,7 @@ def compare(frames: dict[str, Frames], workload: str, patch: str | None = None) 
         if group is not None:
             noise.append({**record, "group": group})
             continue
-        count, sites = readers(field)
+        count, sites = readers(field, sglang_dir=source.sglang_dir if source else None)
         findings.append({**record, "clause": CLAUSE_OF_FIELD.get(field), "readers": count,
                          "reader_sites": sites})
     # Fields the MLX loop writes only by constructing objects (its batch copies) where the
@@ -205,13 +217,19 @@ def compare(frames: dict[str, Frames], workload: str, patch: str | None = None) 
                        "clause", "readers", "reader_sites", "written_by"]
     return Audit(workload=workload, patch=patch, cadences=cadences,
                  findings=pd.DataFrame(findings, columns=finding_columns),
-                 noise=pd.DataFrame(noise, columns=["group", "object", "field", "written_by"]))
+                 noise=pd.DataFrame(noise, columns=["group", "object", "field", "written_by"]),
+                 sglang=source.label if source else None)
 
 
-def audit(workload: str = "two-turn", patch: PatchArg = None, progress: bool = True) -> Audit:
-    """Run ``workload`` through every loop with effects recording, and compare."""
+def audit(workload: str = "two-turn", patch: PatchArg = None, progress: bool = True,
+          sglang: str | Path | None = None, diff: list[str | Path] | None = None) -> Audit:
+    """Run ``workload`` through every loop with effects recording, and compare; on the
+    SGLang ``sglang`` (a release or a source tree; None: the venv's) with ``diff``
+    applied, as for :func:`contract_lib.run`."""
     spec = patch_spec(patch)
-    runs = run_many([{"workload": workload, "loop": loop, "patch": spec, "audit": True}
+    source = resolve(sglang, diff) if sglang or diff else None  # set-up errors first
+    runs = run_many([{"workload": workload, "loop": loop, "patch": spec, "audit": True,
+                      **({"sglang": source} if source else {})}
                      for loop in LOOPS], progress=progress)
     runs = frames_or_raise(runs)
     by_loop = dict(zip(LOOPS, runs))
@@ -224,4 +242,4 @@ def audit(workload: str = "two-turn", patch: PatchArg = None, progress: bool = T
                 f"{frames.meta.get('steps')} steps ({error.get('type')}: "
                 f"{error.get('message')}); no audit from a run that did not finish",
                 outcome, by_loop)
-    return compare(by_loop, workload, spec)
+    return compare(by_loop, workload, spec, source)

@@ -364,6 +364,7 @@ def load(run_key: str, expected: dict[str, Any]) -> Frames | None:
                   closefd=True) as handle:
             text = handle.read()
         payload = parse_payload(text, path)
+        frames = Frames.from_payload(payload, path)  # FramesFormatError: a value's type
     except FileNotFoundError:
         return None
     except UntrustedError as exc:
@@ -389,7 +390,6 @@ def load(run_key: str, expected: dict[str, Any]) -> Frames | None:
         importlib.invalidate_caches()  # a file or folder created since the last import
         if any(_module_file(name) != path for name, path in names.items()):
             return None  # a name would now be imported from another file: run it
-    frames = Frames.from_payload(payload)
     for name in ("cache_key", "tables_sha256"):
         del frames.meta[name]
     frames.meta["cached"] = True

@@ -21,26 +21,49 @@ def workload_size(workload: Workload) -> dict[str, int]:
 
 def to_toml(workload: Workload, header: list[str]) -> str:
     """The workload as a TOML file (``#`` header lines first) that :func:`load_workload`
-    reads back to the same workload."""
-    lines = [f"# {line}" if line else "#" for line in header]
+    reads back to an equal workload: every field of :class:`Workload` and
+    :class:`RequestSpec` that differs from its default is written."""
+    lines = [f"# {part}" if part else "#" for line in header for part in line.split("\n")]
     lines += [f"name = {_toml(workload.name)}", f"max_steps = {workload.max_steps}"]
+    if workload.max_seconds is not None:
+        lines.append(f"max_seconds = {_toml(workload.max_seconds)}")
     if workload.description:
         lines.append(f"description = {_toml(workload.description)}")
-    if workload.server_args:
-        lines += ["", "[server_args]"]
-        lines += [f"{k} = {_toml(v)}" for k, v in workload.server_args.items()]
+    for table in ("server_args", "expect"):
+        if getattr(workload, table):
+            lines += ["", f"[{table}]"]
+            lines += [f"{_key(k)} = {_toml(v)}" for k, v in getattr(workload, table).items()]
     for spec in workload.requests:
         lines += ["", "[[requests]]", f"rid = {_toml(spec.rid)}"]
         if spec.turn_of:
             lines.append(f"turn_of = {_toml(spec.turn_of)}")
         lines += [f"prompt = {_toml(list(spec.prompt))}",
                   f"max_new_tokens = {spec.max_new_tokens}", f"arrival = {spec.arrival}"]
+        optional = {"stop_token_ids": list(spec.stop_token_ids) or None,
+                    "emit": dict(spec.emit) or None, "ignore_eos": spec.ignore_eos or None,
+                    "abort_at": spec.abort_at, "priority": spec.priority}  # None: default
+        lines += [f"{name} = {_toml(value)}" for name, value in optional.items()
+                  if value is not None]
     return "\n".join(lines) + "\n"
 
 
+def _key(key: Any) -> str:
+    """A TOML key: bare when it can be, else quoted."""
+    key = str(key)
+    return key if key and all(c.isascii() and (c.isalnum() or c in "_-") for c in key) \
+        else _toml(key)
+
+
 def _toml(value: Any) -> str:
-    if isinstance(value, (bool, str)):
-        return json.dumps(value)  # JSON's true/false and escaped strings are TOML's
-    if isinstance(value, list):
+    """A TOML value; TypeError for what TOML cannot hold (None)."""
+    if isinstance(value, str):  # JSON's escapes are TOML's, but for DEL and surrogates
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml(v) for v in value) + "]"
-    return repr(value)
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{_key(k)} = {_toml(v)}" for k, v in value.items()) + " }"
+    if isinstance(value, (int, float)):
+        return repr(value)  # inf and nan are TOML's too
+    raise TypeError(f"a workload value TOML cannot hold: {value!r}")

@@ -76,6 +76,8 @@ loops.
 
 The torch loops and omni leave ``kv_syncs`` and ``kv_pool`` empty.
 
+Each column's dtype is declared by its name in :data:`contract_lib.dtypes.KINDS`, and is
+the same whether the run is fresh or read back from a file or the frame cache.
 ``WALL_CLOCK_COLUMNS`` are kept out of every comparison between runs.
 """
 
@@ -93,6 +95,7 @@ import numpy as np
 import pandas as pd
 
 from contract_lib.atomic import atomic_write
+from contract_lib.dtypes import typed
 
 SCHEMA_VERSION = 10
 
@@ -265,25 +268,32 @@ class Frames:
         return write_payload(path, self.to_payload())
 
     @classmethod
-    def from_payload(cls, payload: dict[str, Any]) -> "Frames":
-        """Frames from a payload :func:`read_payload` accepted."""
-        tables = {
-            name: pd.DataFrame(payload["tables"][name]["data"], columns=columns)
-            for name, columns in COLUMNS.items()
-        }
+    def from_payload(cls, payload: dict[str, Any], path: str | Path = "payload") -> "Frames":
+        """Frames from a payload :func:`read_payload` accepted, each column in its dtype
+        (:mod:`contract_lib.dtypes`); values of another kind raise
+        :class:`FramesFormatError` naming ``path``, the table and the column."""
+        tables = {}
+        for name, columns in COLUMNS.items():
+            try:
+                tables[name] = typed(pd.DataFrame(payload["tables"][name]["data"],
+                                                  columns=columns))
+            except ValueError as exc:
+                raise FramesFormatError(f"{path}: not a frames file of schema version "
+                                        f"{SCHEMA_VERSION}: table {name!r}: {exc}") from None
         return cls(tables=tables, meta=payload["meta"])
 
     @classmethod
     def load(cls, path: str | Path) -> "Frames":
         """Read a file written by :meth:`save`; anything else raises
         :class:`FramesFormatError` (see :func:`read_payload`)."""
-        return cls.from_payload(read_payload(path))
+        return cls.from_payload(read_payload(path), path)
 
     @classmethod
     def from_rows(cls, rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any]) -> "Frames":
-        """Build the tables from the row dicts the capture streamed, in schema order."""
+        """Build the tables from the row dicts the capture streamed, in schema order and
+        in the dtypes a file of them reads back with."""
         tables = {
-            name: pd.DataFrame(rows.get(name, []), columns=columns)
+            name: typed(pd.DataFrame(rows.get(name, []), columns=columns))
             for name, columns in COLUMNS.items()
         }
         return cls(tables=tables, meta=meta)

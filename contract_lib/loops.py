@@ -53,8 +53,12 @@ class LoopSpec:
 LOOP_SPECS: dict[str, LoopSpec] = {}
 
 
-def register(spec: LoopSpec) -> LoopSpec:
-    """Add (or replace) a loop; the derived tuples below are recomputed."""
+def register(spec: LoopSpec, *, replace: bool = False) -> LoopSpec:
+    """Add a loop; the derived tuples below are recomputed. A name already registered is
+    a ValueError unless ``replace`` (it keeps its place in :func:`names`)."""
+    if spec.name in LOOP_SPECS and not replace:
+        raise ValueError(f"loop {spec.name!r} is already registered "
+                         f"({LOOP_SPECS[spec.name].function}); pass replace=True to replace it")
     if spec.role not in (REFERENCE, CANDIDATE):
         raise ValueError(f"loop {spec.name!r}: role must be {REFERENCE!r} or {CANDIDATE!r}")
     if spec.family not in (SGLANG, OMNI):

@@ -1,11 +1,14 @@
 """Property-based search for the smallest workload that breaks the contract (Hypothesis).
 
-A campaign generates workloads (:func:`workloads`), runs each through the real loop with
+A campaign first runs the smallest workload once (:func:`prepare`: what fails whatever
+the workload, e.g. a patch that does not import, is an error before anything is
+generated), then generates workloads (:mod:`contract_lib.generation`), runs each through the real loop with
 :func:`contract_lib.run`, and stops at the first *finding* (:func:`judge`): a clause
 violated (with ``clause=N``, only clause N counts); a run that crashed, died or timed
 out (``not-finished``); or output tokens unequal to the unpatched torch ``normal`` loop's
 on the same workload (``tokens``: the model-free forward is a deterministic function of
-the context, so every correct loop emits the same tokens). Hypothesis shrinks it to a
+the context, so every correct loop emits the same tokens for every request that
+finished; :func:`~contract_lib.contract.outputs.same_tokens`). Hypothesis shrinks it to a
 minimal workload with the same kind and clause; :func:`write_found` saves it as TOML. A
 run SGLang rejects in set-up, or a vacuous one, is discarded (``hypothesis.reject``).
 
@@ -25,30 +28,27 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
-from hypothesis import strategies as st
 from hypothesis import seed as hypothesis_seed
 from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.errors import Unsatisfiable
 
 from contract_lib import loops
-from contract_lib.contract import Report, check, violation_message
-from contract_lib.frames import Frames
-from contract_lib.harness import run
+from contract_lib.contract import CLAUSES, Report, check, violation_message
+from contract_lib.contract.outputs import same_tokens
+from contract_lib.frames import Frames, run_title
+from contract_lib.harness import RunSetupError, frames_or_raise, run, run_many
 from contract_lib.patches import PatchSpec, patch_spec
+from contract_lib.sources import Source, file_part, resolve, run_sglang
 from contract_lib.verdict import loop_mismatch, setup_failed
 from contract_lib.workloads import Workload
-# The minimal workload's file: re-exported here, where campaigns are run.
+# The minimal workload's file and the generated workloads: re-exported here, where
+# campaigns are run.
 from contract_lib.found import FOUND_DIR, to_toml, workload_size  # noqa: F401
+from contract_lib.generation import workloads
 
 ROOT = Path(__file__).resolve().parent.parent
 DATABASE_DIR = ROOT / ".cache" / "hypothesis-search"
 
-# Deterministic policies only ("random" would make frames differ between runs);
-# "routing-key" needs routing keys the workload format does not have.
-SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof")
-MAX_REQUESTS, MAX_NEW_TOKENS = 4, 24
-MAX_OWN_PROMPT, MAX_PREFIX = 48, 32  # tokens: a request's own prompt, the shared prefix
-MAX_ARRIVAL = 12                     # loop iterations
 REFERENCE_LOOP = loops.reference_names()[0]  # the first reference loop (normal)
 # A campaign whose first runs all fail in set-up (a patch that does not apply, a loop
 # mismatch) is a set-up error, not a search.
@@ -88,23 +88,31 @@ class Campaign:
     shrink_budget: int = 150   # runs allowed after the first finding
     database: bool = True
     cache: bool = True
-    examples: int = 0          # examples generated (and run) before the first finding
-    runs: int = 0              # workloads run in all (generation and shrinking)
+    sglang: str | None = None  # a release or a source tree (None: the venv's SGLang)
+    diffs: tuple[str, ...] = ()  # upstream diffs applied to it, in order
+    generated: int = 0         # examples Hypothesis generated before the first finding
+    #                            (repeats and discarded ones included; --budget bounds them)
+    examples: int = 0          # distinct workloads run before the first finding
+    runs: int = 0              # distinct workloads run in all (generation and shrinking)
     rejected: int = 0          # examples discarded (set-up error, vacuous)
     history: list[tuple[Workload, Finding]] = dataclasses.field(default_factory=list)
     found: tuple[Workload, Finding] | None = None
     setup_errors: list[str] = dataclasses.field(default_factory=list)
+    # The SGLang resolved by :func:`prepare` (None: not yet).
+    source: Source | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def slug(self) -> str:
         parts = [self.loop, (self.patch or "unpatched").replace(":", "-").replace("/", "-")]
         if self.clause:
             parts.append(f"clause-{self.clause}")
-        return ".".join(parts)
+        return ".".join(parts) + file_part(self.sglang, self.diffs)
 
     def command(self) -> str:
         words = ["python -m contract_lib search", f"--loop {self.loop}"]
         words += [f"--patch {p}" for p in PatchSpec(self.patch or "").parts]
+        words += [f"--sglang {self.sglang}"] if self.sglang else []
+        words += [f"--diff {diff}" for diff in self.diffs]
         if self.clause:
             words.append(f"--clause {self.clause}")
         return " ".join(words + [f"--budget {self.budget}", f"--seed {self.seed}"])
@@ -121,70 +129,6 @@ class _Found(Exception):
     def __init__(self, workload: Workload, finding: Finding) -> None:
         super().__init__(finding.line)
         self.workload, self.finding = workload, finding
-
-
-# -- generation ------------------------------------------------------------------------
-
-
-# One request's choices: (turn, shared, own prompt length, max_new_tokens, arrival).
-# ``turn`` 0 is a first turn; k > 0 makes request i a later turn of request (k-1) % i.
-_REQUEST = st.tuples(st.integers(0, MAX_REQUESTS - 1), st.booleans(),
-                     st.integers(0, MAX_OWN_PROMPT), st.integers(1, MAX_NEW_TOKENS),
-                     st.integers(0, MAX_ARRIVAL))
-
-
-@st.composite
-def workloads(draw: Callable[[st.SearchStrategy], Any]) -> Workload:
-    """A valid workload (ids 10..291, every context well inside 1024 tokens) and server
-    args that keep SGLang in the loop asked for. Requests are a list, so shrinking can
-    delete any of them; every choice shrinks towards "simpler": fewer requests, shorter
-    prompts, arrival 0, no turn, no shared prefix, no server-arg override."""
-    prefix = tuple(range(10, 10 + draw(st.integers(0, MAX_PREFIX))))
-    raw = draw(st.lists(_REQUEST, min_size=1, max_size=MAX_REQUESTS))
-    requests: list[dict[str, Any]] = []
-    context: dict[str, int] = {}  # rid -> longest context (prompt + output), tokens
-    for index, (turn, shared, own, new, arrival) in enumerate(raw):
-        rid = "abcd"[index]
-        turn_of = requests[(turn - 1) % index]["rid"] if turn and index else None
-        shared = shared and bool(prefix) and turn_of is None
-        start = 100 + MAX_OWN_PROMPT * index  # distinct tails: ids 100..291
-        own = max(own, 0 if (turn_of or shared) else 1)
-        prompt = (prefix if shared else ()) + tuple(range(start, start + own))
-        request = {"rid": rid, "prompt": list(prompt), "max_new_tokens": new,
-                   "arrival": arrival}
-        if turn_of:
-            request["turn_of"] = turn_of
-        requests.append(request)
-        context[rid] = len(prompt) + new + (context[turn_of] if turn_of else 0)
-    server_args = _server_args(draw, longest=max(context.values()))
-    budget = sum(context.values()) + 4 * sum(r["arrival"] for r in requests)
-    return Workload.from_dict({"name": "generated", "max_steps": 200 + 4 * budget,
-                               "server_args": server_args, "requests": requests},
-                              source="generated workload")
-
-
-def _server_args(draw, longest: int) -> dict[str, Any]:
-    """Overrides drawn one by one, each absent unless drawn (absent shrinks first). The
-    KV pool is 8-40 tokens above the longest request's context: small enough that
-    concurrent requests run out of it, never so small that one alone cannot fit. No
-    ``page_size``: the MLX loop refuses any value above 1 (SGLang's MLX backend builds a
-    token-level KV allocator), so the example would only be rejected there."""
-    args: dict[str, Any] = {}
-    choices = {
-        "chunked_prefill_size": st.sampled_from((8, 16, 32)),
-        "enable_mixed_chunk": st.just(True),
-        "max_total_tokens": st.integers(longest + 8, longest + 40),
-        # Near zero: admission barely reserves decode KV, so a small pool runs out in
-        # decode and SGLang retracts a request (the retraction path).
-        "schedule_conservativeness": st.just(0.01),
-        "max_running_requests": st.integers(1, 3),
-        "schedule_policy": st.sampled_from(SCHEDULE_POLICIES[1:]),
-        "disable_radix_cache": st.just(True),
-    }
-    for key, strategy in choices.items():
-        if draw(st.booleans()):
-            args[key] = draw(strategy)
-    return args
 
 
 # -- judging ---------------------------------------------------------------------------
@@ -211,12 +155,8 @@ def judge(frames: Frames, reference: Frames | None, clause: int | None,
                        f"{error.get('message')}", step=frames.meta.get("steps"))
     if reference is not None and reference.status == "finished":
         ours, theirs = frames.output_tokens(), reference.output_tokens()
-        if loops.known(frames.loop).disaggregation == loops.PREFILL:
-            # a prefill side emits each request's first token (max_new_tokens is set
-            # to 1, disaggregation/prefill.py:482); the decode side the rest
-            theirs = {rid: tokens[:1] for rid, tokens in theirs.items()}
-        for rid in sorted(set(ours) | set(theirs)):
-            if ours.get(rid) != theirs.get(rid):
+        for rid, same in same_tokens(frames, reference).items():
+            if not same:
                 return Finding("tokens", f"request {rid}: {frames.loop} emitted "
                                f"{ours.get(rid)}, {REFERENCE_LOOP} emitted "
                                f"{theirs.get(rid)}", field="outputs")
@@ -227,8 +167,7 @@ def _discarded(frames: Frames, report: Report) -> str | None:
     """Why a generated run proves nothing either way (set-up error, another loop, vacuous);
     ``report``: its check."""
     if setup_failed(frames.meta):
-        error = frames.error or {}
-        return f"{error.get('type')}: {error.get('message')}"
+        return _error_line(frames)
     mismatch = loop_mismatch(frames.meta)
     if mismatch:
         return mismatch
@@ -239,6 +178,59 @@ def _discarded(frames: Frames, report: Report) -> str | None:
 
 # -- the campaign ----------------------------------------------------------------------
 
+# The smallest workload: run once through the loop and its reference before anything is
+# generated, so that what fails whatever the workload fails at once (:func:`prepare`).
+PROBE = Workload.from_dict({"name": "set-up probe", "max_steps": 50, "requests": [
+    {"rid": "a", "prompt": [100], "max_new_tokens": 1}]}, source="search's set-up probe")
+
+
+def prepare(campaign: Campaign) -> Source:
+    """Check a campaign before it generates anything, and resolve its SGLang (kept in
+    ``campaign.source``): the loop, the clause, the budgets and the patches; the SGLang
+    (a release installed on first use, a source tree checked, diffs applied); then one
+    run of :data:`PROBE` through the loop and its reference, so that a patch that does
+    not import or apply, a run that would enter another loop, or an SGLang that does not
+    build a scheduler is an error at once. Raises a set-up error
+    (:class:`RunSetupError`, :class:`PatchError`, :class:`SourceError`, ...) or
+    :class:`SearchSetupError`."""
+    if campaign.loop not in loops.LOOP_SPECS:
+        raise RunSetupError(f"unknown loop {campaign.loop!r}; valid loops: "
+                            f"{', '.join(loops.names())}")
+    if campaign.clause is not None and campaign.clause not in CLAUSES:
+        raise SearchSetupError(f"unknown clause {campaign.clause}; clauses: "
+                               f"{', '.join(map(str, CLAUSES))}")
+    if campaign.budget < 1 or campaign.shrink_budget < 0:
+        raise SearchSetupError("the budget must be at least 1 and the shrink budget at "
+                               "least 0")
+    patch_spec(campaign.patch)  # an unknown patch or module
+    campaign.source = resolve(campaign.sglang, campaign.diffs)
+    for frames in frames_or_raise(run_many(
+            [{"workload": PROBE, **job} for job in _jobs(campaign)], progress=False)):
+        why = loop_mismatch(frames.meta) or (setup_failed(frames.meta) and _error_line(frames))
+        if why:
+            raise SearchSetupError(f"{run_title(frames.meta)} failed in set-up, so every "
+                                   f"generated workload would: {why}")
+    return campaign.source
+
+
+def _error_line(frames: Frames) -> str:
+    """A run's error as one line: its type and the first line of its message."""
+    error = frames.error or {}
+    return f"{error.get('type')}: {(str(error.get('message')).splitlines() or [''])[0]}"
+
+
+def _jobs(campaign: Campaign) -> list[dict[str, Any]]:
+    """The :func:`run` keywords of an example's runs: the loop, then (unless the loop is
+    the unpatched reference itself) its torch reference, unpatched, on the same SGLang."""
+    jobs = [{"loop": campaign.loop, "patch": campaign.patch, "cache": campaign.cache,
+             **run_sglang(campaign.loop, campaign.source, campaign.sglang, campaign.diffs)}]
+    if campaign.loop != REFERENCE_LOOP or campaign.patch:
+        # A pinned loop's reference runs on the loop's release.
+        sglang = (campaign.source if campaign.sglang or campaign.diffs
+                  else _release(campaign.loop))
+        jobs.append({"loop": REFERENCE_LOOP, "cache": campaign.cache, "sglang": sglang})
+    return jobs
+
 
 def search(campaign: Campaign, executor: Executor | None = None,
            progress: Callable[[str, int], None] | None = None,
@@ -247,8 +239,11 @@ def search(campaign: Campaign, executor: Executor | None = None,
     the budget was spent without one). ``progress(phase, n)`` is called after every run
     (phase ``generate`` or ``shrink``); setting ``stop`` ends the campaign with a
     KeyboardInterrupt before its next run. Raises :class:`SearchSetupError` when no
-    generated run got past set-up."""
-    patch_spec(campaign.patch)  # an unknown patch is a usage error before any run
+    generated run got past set-up, :func:`prepare`'s errors when its probe fails."""
+    if stop is not None and stop.is_set():
+        raise KeyboardInterrupt("search stopped")
+    if campaign.source is None:
+        prepare(campaign)
     own = executor is None
     executor = executor or ThreadPoolExecutor(max_workers=2)
     memo: dict[str, Finding | str | None] = {}
@@ -280,6 +275,8 @@ def search(campaign: Campaign, executor: Executor | None = None,
     @hypothesis_seed(campaign.seed)
     @given(workloads())
     def probe(workload: Workload) -> None:
+        if not locked:
+            campaign.generated += 1
         outcome = evaluate(workload)
         if isinstance(outcome, str):
             campaign.rejected += 1
@@ -316,11 +313,8 @@ def _evaluate(campaign: Campaign, workload: Workload,
               executor: Executor) -> Finding | str | None:
     """Run the loop (and its torch reference, concurrently) and judge; a string says why
     the example is discarded."""
-    kwargs = {"patch": campaign.patch, "cache": campaign.cache}
-    ours = executor.submit(run, workload, campaign.loop, **kwargs)
-    needs_reference = campaign.loop != REFERENCE_LOOP or campaign.patch
-    theirs = (executor.submit(run, workload, REFERENCE_LOOP, cache=campaign.cache,
-                              sglang=_release(campaign.loop)) if needs_reference else None)
+    ours, *others = [executor.submit(run, workload, **job) for job in _jobs(campaign)]
+    theirs = others[0] if others else None
     frames = ours.result()
     report = check(frames, campaign.clauses)  # once, while the reference still runs
     reference = theirs.result() if theirs else None
@@ -368,8 +362,9 @@ def write_found(campaign: Campaign, directory: Path = FOUND_DIR) -> Path:
     header = [f"found by: {campaign.command()}",
               f"finding: {finding.kind}{f' ({where})' if where else ''}",
               " ".join(finding.line.split()),
-              f"{campaign.examples} examples tried, {campaign.runs} workloads run in all "
-              "(generation and shrinking)", ""]
+              f"{campaign.generated} examples generated, {campaign.examples} distinct "
+              f"workloads run until the finding, {campaign.runs} in all (generation and "
+              "shrinking)", ""]
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{campaign.slug}.toml"
     path.write_text(to_toml(named, header))

@@ -29,15 +29,16 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
+from contract_lib import loops
 from contract_lib.diffs import COMPLETE, DIFFS_DIR_ENV, with_diffs
 from contract_lib.trees import Source, SourceError, tree_digest, tree_source
 from contract_lib.versions import (SUPPORTED_SGLANG_VERSIONS, require_supported_sglang,
                                    sglang_path)
 
-__all__ = ["COMPLETE", "DIFFS_DIR_ENV", "Source", "SourceError", "is_path", "resolve",
-           "tree_digest"]
+__all__ = ["COMPLETE", "DIFFS_DIR_ENV", "Source", "SourceError", "file_part", "is_path",
+           "resolve", "run_sglang", "tree_digest"]
 
 
 def resolve(sglang: str | Path | Source | None = None,
@@ -61,6 +62,26 @@ def is_path(sglang: str | Path | None) -> bool:
     return sglang not in SUPPORTED_SGLANG_VERSIONS and (
         os.sep in sglang or sglang.startswith(".") or os.path.isdir(sglang)
         or not re.fullmatch(r"\d+(\.\d+)*\w*", sglang))
+
+
+def run_sglang(loop: str, source: Source, sglang: str | Path | None,
+               diffs: Sequence[str | Path] | None) -> dict[str, Any]:
+    """The :func:`contract_lib.run` keywords that put ``loop`` on the SGLang chosen as
+    ``sglang`` and ``diffs``: their ``source`` (resolved once, by :func:`resolve`); for a
+    loop pinned to a release (``omni``), the choice as given, so that none lets it run on
+    its own release."""
+    if loops.spec(loop).sglang:
+        return {"sglang": sglang, "diff": list(diffs or ()) or None}
+    return {"sglang": source}
+
+
+def file_part(sglang: str | Path | None, diffs: Sequence[str | Path] | None) -> str:
+    """``.sglang-<release or folder name>[.diff-<file stem>...]``: the chosen SGLang in an
+    output file's name ('' for the venv's)."""
+    name = ""
+    if sglang:
+        name += f".sglang-{Path(sglang).name if is_path(sglang) else sglang}"
+    return name + "".join(f".diff-{Path(diff).stem}" for diff in diffs or ())
 
 
 def _base(sglang: str | Path | None) -> Source:

@@ -51,7 +51,8 @@
 #   either way.
 #
 # A bad parameter, or a run that fails in set-up, stops at the next cell with the
-# library's one-line message.
+# library's one-line message. A run that crashed, died or timed out in its loop is shown
+# as far as it got, with the crash, and every cell still runs.
 
 # %% tags=["parameters"]
 workload = "two-turn"
@@ -75,6 +76,8 @@ options = dict(runner=runner, sglang=sglang)
 frames, report = views.checked_run(workload, loop, patch=patch, server_args=server_args,
                                    **options)
 print(views.crash_summary(frames))
+if frames.status != "finished":
+    print(views.recorded_summary(frames, workload))
 print()
 print(views.text_table(views.report_table(report)))
 print()
@@ -126,13 +129,17 @@ figure if figure is not None else print("no clause violated: nothing to draw")
 #
 # For every request of the workload that is a later turn of another (`turn_of`): its
 # `cached_tokens` on each run against the ideal, every position the earlier turn
-# computed. A run that commits fewer positions than it computed reuses less.
+# computed. A run that commits fewer positions than it computed reuses less. The ideal
+# is measured on the reference: the first torch loop that finished (else the first run
+# that did), never on a run that stopped before the earlier turn's whole output.
 
 # %%
 turns = views.later_turns(workload)
 for turn in turns:
     reuse = views.radix_reuse_table(*runs, rid=turn, workload=workload)
-    print(f"{turn}, a later turn of {reuse.attrs['parent']}: cached_tokens against the ideal")
+    source = reuse.attrs["ideal_from"] or "no run that finished (compare=True runs the torch loops)"
+    print(f"{turn}, a later turn of {reuse.attrs['parent']}: cached_tokens against the ideal "
+          f"(measured on {source})")
     print(views.text_table(reuse))
 if not turns:
     print("the workload has no later turn")

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from contract_lib.audit import audit, readers
+from contract_lib.cli import main
 from contract_lib.contract import check
 from contract_lib.trace import build_trace
+
+FIX_BACKEND_STATE = (Path(__file__).resolve().parent.parent / "data" / "diffs"
+                     / "fix-backend-state.diff")
 
 
 def _fields(result):
@@ -45,6 +50,42 @@ def test_readers_finds_real_read_sites_and_skips_assignments():
     count, sites = readers("processed_tokens_counter", limit=50)
     assert count >= 1
     assert any(site.startswith("managers/scheduler.py:") for site in sites)
+
+
+@pytest.mark.fast
+def test_readers_are_looked_up_in_the_runs_sglang(tmp_path):
+    managers = tmp_path / "sglang" / "srt" / "managers"
+    managers.mkdir(parents=True)
+    (managers / "x.py").write_text("a = batch.only_here\nbatch.only_here = 3\n")
+    assert readers("only_here", sglang_dir=tmp_path) == (1, ["managers/x.py:1"])
+
+
+def test_audit_and_trace_run_on_the_sglang_a_diff_makes(tmp_path, capsys):
+    """fix-backend-state.diff fixes clause 7 on MLX: the audit says which SGLang it
+    audited, and the trace of the MLX loop has no clause 7 track (the unpatched one
+    has, test_trace_is_valid_nested_and_byte_stable)."""
+    assert main(["audit", "--diff", str(FIX_BACKEND_STATE)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("effects audit: two-turn on sglang ")
+    assert first.split(":")[1].endswith("+fix-backend-state.diff")
+    out = tmp_path / "t.json"
+    assert main(["trace", "--workload", "two-turn", "--loop", "mlx", "--diff",
+                 str(FIX_BACKEND_STATE), "--out", str(out)]) == 0
+    clauses = {e["args"]["clause"] for e in json.loads(out.read_text())["traceEvents"]
+               if e.get("cat") == "violation"}
+    assert 1 in clauses and 7 not in clauses
+
+
+@pytest.mark.parametrize("command", [["trace", "--workload", "two-turn"], ["audit"]])
+@pytest.mark.parametrize("option, message", [
+    (["--sglang", "/nonexistent"], "error: --sglang /nonexistent: no such directory"),
+    (["--diff", "/nonexistent.diff"], "error: --diff /nonexistent.diff: cannot read it"),
+])
+def test_audit_and_trace_refuse_a_bad_sglang_or_diff_on_one_line(command, option, message,
+                                                                 capsys):
+    assert main([*command, *option]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(message) and len(err.splitlines()) == 1
 
 
 def _check_trace(trace):

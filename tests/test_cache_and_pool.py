@@ -122,3 +122,29 @@ def test_a_fork_server_dying_mid_run_is_reported_with_frames():
     assert frames.status == "died" and frames.error["type"] == "ForkServerDied"
     assert len(frames.steps) >= 3
     assert contract_lib.run("single-decode", "normal", cache=False).status == "finished"
+
+
+# Between them, every table gets rows: NaN (kv_pool.max_abs_diff on the model-free MLX
+# runner), None, finish messages and matched stop tokens, retractions and evictions.
+CACHED_WORKLOADS = ("two-turn", "abort", "stop-tokens", "memory-pressure")
+
+
+@pytest.mark.parametrize("loop, runner, workloads, audit", [
+    ("normal", "model-free", CACHED_WORKLOADS, False),
+    ("overlap", "model-free", CACHED_WORKLOADS, False),
+    ("mlx", "model-free", CACHED_WORKLOADS, False),
+    ("mlx", "real", ("two-turn",), False),  # real KV: max_abs_diff a number
+    ("mlx", "model-free", ("two-turn",), True),  # the effects table
+], ids=["normal", "overlap", "mlx", "mlx-real", "mlx-audit"])
+def test_a_cached_run_is_the_fresh_run_table_by_table(private_cache, loop, runner,
+                                                      workloads, audit):
+    """Every table, dtypes and wall-clock columns included, read back from the frame
+    cache equals the run that was stored."""
+    for workload in workloads:
+        fresh = contract_lib.run(workload, loop, runner=runner, audit=audit)
+        cached = contract_lib.run(workload, loop, runner=runner, audit=audit)
+        assert "cached" not in fresh.meta and cached.meta["cached"] is True
+        assert fresh.tables.keys() == cached.tables.keys()
+        for name, table in fresh.tables.items():
+            pd.testing.assert_frame_equal(cached.tables[name], table, check_exact=True,
+                                          obj=f"{workload} {loop} {runner} {name}")

@@ -8,17 +8,21 @@ import builtins
 import errno
 import io
 import json
+import math
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 import contract_lib
 from contract_lib import cache, installs
 from contract_lib.cli import main
 from contract_lib.contract import check
+from contract_lib.dtypes import KINDS
 from contract_lib.frames import COLUMNS, SCHEMA_VERSION, Frames, FramesFormatError
 
 
@@ -288,15 +292,20 @@ def test_a_poisoned_entry_of_another_loop_is_discarded(private_cache):
     assert contract_lib.run("single-decode", "mlx").meta.get("cached") is True
 
 
-def test_an_entry_edited_after_it_was_stored_is_discarded(private_cache):
-    """Well-shaped but changed contents (a cell of the wrong type here) would make every
-    check raise; the entry's tables digest catches any change."""
+@pytest.mark.parametrize("value, reason", [
+    (7, "its tables changed after it was stored"),
+    ("zero", "table 'steps': column 'step' holds mixed-integer values, not int"),
+], ids=["same kind", "another kind"])
+def test_an_entry_edited_after_it_was_stored_is_discarded(private_cache, value, reason):
+    """Well-shaped but changed contents: the entry's tables digest catches any change,
+    and a cell of another kind than its column's (which would make every check raise)
+    is refused first, naming the table and column."""
     contract_lib.run("single-decode", "normal")
     (entry,) = _entries(private_cache)
     payload = json.loads(entry.read_text())
-    payload["tables"]["steps"]["data"][0][0] = "zero"
+    payload["tables"]["steps"]["data"][0][0] = value
     entry.write_text(json.dumps(payload))
-    with pytest.warns(cache.CacheWarning, match="tables changed"):
+    with pytest.warns(cache.CacheWarning, match=re.escape(reason)):
         frames = contract_lib.run("single-decode", "normal")
     assert "cached" not in frames.meta and frames.steps.step.iloc[0] == 0
     assert check(contract_lib.run("single-decode", "normal"), clauses="rfc").ok
@@ -368,9 +377,19 @@ def _breaks():
     def meta_list(p):
         p["meta"] = []
 
+    def text_in_an_int_column(p):
+        p["tables"]["outputs"]["data"] = [["a", "zero", 1]]
+
+    def fraction_in_an_int_column(p):
+        p["tables"]["outputs"]["data"] = [["a", 0.5, 1]]
+
+    def number_in_a_bool_column(p):
+        p["tables"]["slots"]["data"] = [[0, "a", 0, 0, 0, 1, True]]
+
     return [drop_table, extra_table, rename_column, short_row, data_not_list,
             table_not_object, meta_without_status, unknown_status, loop_not_string,
-            error_not_object, meta_list]
+            error_not_object, meta_list, text_in_an_int_column, fraction_in_an_int_column,
+            number_in_a_bool_column]
 
 
 @pytest.mark.parametrize("brk", _breaks(), ids=lambda f: f.__name__)
@@ -383,6 +402,36 @@ def test_frames_load_raises_frames_format_error_for_any_wrong_shape(tmp_path, br
     path.write_text(json.dumps(payload))
     with pytest.raises(FramesFormatError, match="f.json"):
         Frames.load(path)
+
+
+@pytest.mark.fast
+def test_every_frame_column_has_one_dtype_kind():
+    named = {column for columns in COLUMNS.values() for column in columns}
+    declared = [column for names in KINDS.values() for column in names]
+    assert len(declared) == len(set(declared))  # one kind each
+    assert set(declared) == named  # none missing, none unused
+
+
+@pytest.mark.fast
+def test_frames_read_back_from_json_equal_the_run_dtypes_included():
+    """JSON has no NaN: a file holds None where the run held NaN (the model-free MLX
+    runner's ``max_abs_diff``), and the tables read back equal the run's all the same."""
+    frames = Frames.from_rows({
+        "kv_pool": [{"rid": "a", "position": 0, "slot": 3, "verdict": "ok",
+                     "max_abs_diff": math.nan}],
+        "kv_syncs": [{"step": 1, "rid": "a", "kind": "prefill", "position": 0, "slot": 3,
+                      "target": "own", "owner": None}],
+        "relay": [{"event": "read", "step": 1, "launch": 0, "loop": "mlx", "kind": "decode",
+                   "row": 0, "rid": "a", "value": 5, "last_published": None,
+                   "published_for_rid": None},
+                  {"event": "read", "step": 2, "launch": 1, "loop": "mlx", "kind": "decode",
+                   "row": 0, "rid": "a", "value": 6, "last_published": 6,
+                   "published_for_rid": True}],
+    }, _meta())
+    back = Frames.from_payload(json.loads(json.dumps(frames.to_payload())))
+    for name, table in frames.tables.items():
+        pd.testing.assert_frame_equal(back.tables[name], table, check_exact=True, obj=name)
+    assert frames.kv_pool["max_abs_diff"].dtype == "float64"
 
 
 @pytest.mark.parametrize("content", [b"", b"\xff\xfe", b"3", b"null", b"[" * 100_000],

@@ -14,6 +14,7 @@ import pytest
 from conftest import saved_frames
 from contract_lib.contract import (HOLDS, MASKED, NOT_EXERCISED, VIOLATED,
                                    ContractViolation, assert_contract, check)
+from contract_lib.contract.outputs import same_tokens
 from contract_lib.status import Status
 from contract_lib.verdict import Outcome
 
@@ -88,3 +89,13 @@ def test_the_status_table_has_one_column_per_loop_in_registry_order():
     reports = {("single-decode", loop): check(fixture(f"single-decode.{loop}"))
                for loop in ("mlx", "normal", "overlap")}
     assert list(Status(reports).table().columns) == ["normal", "overlap", "mlx"]
+
+
+def test_same_tokens_compares_every_request_that_finished_on_both_runs():
+    normal, mlx = fixture("two-turn.normal"), fixture("two-turn.mlx")
+    assert same_tokens(normal, mlx) == {"a": True, "b": True, "c": True, "a2": True}
+    crashed = fixture("two-turn.mlx.no-launch-ts")  # stopped before any request finished
+    assert crashed.status == "crashed" and same_tokens(crashed, normal) == {}
+    outputs = mlx.outputs
+    mlx.tables["outputs"] = outputs.drop(outputs.index[outputs["rid"] == "b"][-1:])
+    assert same_tokens(normal, mlx)["b"] is False  # b finished by length: a token short

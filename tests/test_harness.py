@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+
 import pandas as pd
 import pytest
 
 import contract_lib
-from contract_lib import loops
+from contract_lib.contract.outputs import same_tokens
 from contract_lib.verdict import unsupported
 from contract_lib.workloads import Workload
 
@@ -19,30 +21,39 @@ def test_every_required_workload_is_shipped():
 
 
 @pytest.mark.parametrize("workload", WORKLOADS)
-def test_loops_emit_identical_tokens(run_cached, workload):
+def test_every_finished_request_emits_the_same_tokens_on_every_loop(run_cached, workload):
     """Every loop that takes the workload (a loop may refuse it as unsupported, e.g.
-    page_size > 1 on MLX) emits the normal loop's tokens (a PD prefill side: each
-    request's first token); a request the workload aborts emits a prefix of them (where
-    the abort lands follows the loop's step cadence)."""
+    page_size > 1 on MLX) emits the normal loop's tokens for every request (same_tokens:
+    a request the workload aborts emits a prefix of them, where the abort lands
+    following the loop's step cadence); a request that is neither scripted nor aborted
+    emits max_new_tokens."""
     outputs = {loop: run_cached(workload, loop) for loop in contract_lib.LOOPS}
     outputs = {loop: f for loop, f in outputs.items() if not unsupported(f.meta)}
     for loop, frames in outputs.items():
         assert frames.status == "finished", (loop, frames.error)
     spec = contract_lib.load_workload(workload)
-    reference = outputs["normal"].output_tokens()
-    assert {r.rid: len(reference.get(r.rid, ())) for r in spec.requests
+    reference = outputs["normal"]
+    emitted = reference.output_tokens()
+    assert {r.rid: len(emitted.get(r.rid, ())) for r in spec.requests
             if not r.emit and r.abort_at is None} == {
         r.rid: r.max_new_tokens for r in spec.requests if not r.emit and r.abort_at is None}
-    aborted = {r.rid for r in spec.requests if r.abort_at is not None}
     for loop in set(outputs) - {"normal"}:
-        tokens = outputs[loop].output_tokens()
-        expected = ({rid: emitted[:1] for rid, emitted in reference.items()}
-                    if loops.spec(loop).disaggregation == loops.PREFILL else reference)
-        assert {k: v for k, v in tokens.items() if k not in aborted} == {
-            k: v for k, v in expected.items() if k not in aborted}, loop
-        for rid in aborted:
-            shorter, longer = sorted((tokens.get(rid, []), expected.get(rid, [])), key=len)
-            assert longer[:len(shorter)] == shorter, (loop, rid)
+        same = same_tokens(reference, outputs[loop])
+        assert set(same) == {r.rid for r in spec.requests} and all(same.values()), (loop, same)
+
+
+def test_an_abort_races_a_step_so_only_its_prefix_is_shared(run_cached):
+    """On ``abort``, request a is aborted while decoding: normal emits one token more
+    than overlap and mlx (the abort lands a step later on its cadence). Its tokens are
+    not equal across loops, only a prefix; every request that finished otherwise is."""
+    normal, overlap, mlx = (run_cached("abort", loop) for loop in ("normal", "overlap", "mlx"))
+    lengths = [len(run.output_tokens()["a"]) for run in (normal, overlap, mlx)]
+    assert lengths == [9, 8, 8]  # as README.md states; "identical tokens" would be wrong
+    assert same_tokens(normal, overlap) == {"a": True, "b": True, "c": True}
+    lying = copy.deepcopy(overlap)
+    rows = lying.outputs.index[(lying.outputs["rid"] == "a")]
+    lying.outputs.loc[rows[0], "token"] += 1  # not a prefix any more
+    assert same_tokens(normal, lying)["a"] is False
 
 
 @pytest.mark.parametrize("loop", ["overlap", "mlx"])

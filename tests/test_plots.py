@@ -184,6 +184,32 @@ def test_figures_survive_a_run_that_recorded_nothing(two_turn):
     assert "OSError" in views.crash_summary(dead)
 
 
+@pytest.mark.fast
+def test_triage_views_of_a_run_that_stopped_early(two_turn, saved):
+    """A crashed run (two-turn on mlx + no-launch-ts stops at step 1, before a2) and the
+    same run with no request known yet: each triage view says what there is, and the
+    ideal reuse of a2 comes from the finished torch run, never from the crashed one."""
+    crashed = saved("two-turn", "mlx", "no-launch-ts")
+    assert crashed.status == "crashed"
+    summary = views.recorded_summary(crashed, "two-turn")
+    assert summary.startswith("recorded before it stopped: steps 0-") and "a2" in summary
+    table = views.radix_reuse_table(crashed, two_turn["normal"], rid="a2")
+    a_end = two_turn["normal"].requests.query("rid == 'a'").iloc[-1]
+    assert table["ideal"].tolist() == [int(a_end["prompt_len"]) + int(a_end["emitted"]) - 1] * 2
+    assert table.attrs["ideal_from"] == "normal" and table["difference"].tolist()[1] == 0
+    alone = views.radix_reuse_table(crashed, rid="a2")
+    assert alone["ideal"].isna().all() and alone.attrs["ideal_from"] is None
+    with pytest.raises(ValueError, match="no run finished with a in it"):
+        views.radix_reuse(crashed, rid="a2")
+    crashed.tables["requests"] = crashed.requests.iloc[:0]  # before any request arrived
+    step, rid = views.triage_focus(crashed, check(crashed))
+    assert rid is None
+    assert "no request known to the scheduler" in views.step_snapshot(crashed, step, rid)
+    views.step_figure(crashed, step, rid).canvas.draw()
+    summary = " ".join(views.recorded_summary(crashed, "two-turn").split())
+    assert summary.endswith("requests none; never known to the scheduler: a, b, c, a2")
+
+
 def test_audit_figure_and_table():
     from contract_lib.audit import audit
 

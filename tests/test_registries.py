@@ -5,6 +5,7 @@ clause registry (:mod:`contract_lib.contract.registry`) alone."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from contract_lib.verdict import Outcome
 
 TOY = "toy-normal"
 FIXTURES = Path(__file__).parent / "fixtures"
-TOY_CLAUSE = 8
+TOY_CLAUSE = max(contract.REGISTRY) + 1  # the next number: no real clause is replaced
 
 
 @pytest.fixture()
@@ -52,7 +53,7 @@ def test_a_registered_loops_function_is_what_the_run_must_enter(toy_loop):
     """The toy loop declares the overlap loop's function but the normal loop's flag: the
     run is refused at loop entry, naming both (the registry is the only source)."""
     loops.register(loops.LoopSpec(toy_loop, loops.REFERENCE, "event_loop_overlap",
-                                  disable_overlap_schedule=True, default=False))
+                                  disable_overlap_schedule=True, default=False), replace=True)
     frames = contract_lib.run("single-decode", toy_loop, cache=False)
     assert frames.status == "crashed"
     assert frames.error["type"] == "LoopMismatch"
@@ -70,7 +71,7 @@ def test_an_unregistered_loop_is_a_setup_error():
 
 @pytest.fixture()
 def toy_clause():
-    """Clause 8, "steps numbered": step boundaries are numbered 0, 1, 2... with no gap
+    """Clause :data:`TOY_CLAUSE`, "steps numbered": step boundaries are numbered 0, 1, 2... with no gap
     (a toy: every real run holds it; a frame with a step removed violates it)."""
 
     def no_steps(frames):
@@ -98,10 +99,10 @@ def test_a_registered_clause_is_in_the_report_and_the_status_table(toy_clause):
     report = check(frames)
     assert report.clauses[toy_clause].status == HOLDS
     assert toy_clause not in check(frames, "rfc").clauses  # an extension, not the RFC's
-    assert "8 steps numbered" in report.text()
+    assert f"{toy_clause} steps numbered" in report.text()
     assert report.table().set_index("clause").loc[toy_clause, "origin"] == contract.EXTENSIONS
     status = Status({("single-decode", "overlap"): report})
-    assert status.table().loc["8 steps numbered", "overlap"] == "holds (1/1)"
+    assert status.table().loc[f"{toy_clause} steps numbered", "overlap"] == "holds (1/1)"
 
 
 @pytest.mark.fast
@@ -112,7 +113,7 @@ def test_a_registered_clause_can_fail_and_be_not_exercised(toy_clause):
     violated = check(frames).clauses[toy_clause]
     assert violated.status == VIOLATED
     assert contract.violation_message(violated.first()).startswith(
-        "clause 8 (steps numbered): field step at step ")
+        f"clause {toy_clause} (steps numbered): field step at step ")
     frames.tables["steps"] = frames.steps.iloc[:1]  # the check's own reason
     single = check(frames).clauses[toy_clause]
     assert (single.status, single.note) == (NOT_EXERCISED, "a single step boundary")
@@ -120,6 +121,39 @@ def test_a_registered_clause_can_fail_and_be_not_exercised(toy_clause):
     empty = evaluate(toy_clause, contract.REGISTRY[toy_clause].check, frames)
     assert (empty.status, empty.note) == (NOT_EXERCISED, "no step boundary was recorded")
 
+
+# -- a registered number or name is refused unless replaced on purpose ------------------------
+
+
+@pytest.mark.fast
+def test_a_clause_number_taken_is_refused_unless_replaced_and_extend_survives():
+    real = contract.REGISTRY[2]  # extended by @extend (decode_batch_idx)
+    views = (dict(contract.CLAUSES), dict(contract.EXTENDED_FIELDS))
+    assert real.extended is not None
+    try:
+        with pytest.raises(ValueError, match="clause 2 is already registered .*replace=True"):
+            contract.clause(2, "a toy", fields=("step",))(lambda frames: None)
+        assert contract.REGISTRY[2] is real
+        assert (dict(contract.CLAUSES), dict(contract.EXTENDED_FIELDS)) == views
+        toy = contract.clause(2, "a toy", fields=("step",), replace=True)(lambda f: None)
+        assert contract.REGISTRY[2].check is toy and contract.CLAUSES[2] == "a toy"
+        assert contract.REGISTRY[2].extended is real.extended  # the extension is kept
+    finally:
+        contract.registry.register(real, replace=True)
+    assert (dict(contract.CLAUSES), dict(contract.EXTENDED_FIELDS)) == views
+
+
+@pytest.mark.fast
+def test_a_loop_name_taken_is_refused_unless_replaced():
+    real, order = loops.spec("normal"), loops.names()
+    try:
+        with pytest.raises(ValueError, match="loop 'normal' is already registered"):
+            loops.register(loops.LoopSpec("normal", loops.CANDIDATE, "event_loop_overlap"))
+        assert loops.spec("normal") is real
+        toy = loops.register(dataclasses.replace(real, note="a toy"), replace=True)
+        assert loops.spec("normal") is toy and loops.names() == order
+    finally:
+        loops.register(real, replace=True)
 
 
 # -- the cache key covers every module --------------------------------------------------------

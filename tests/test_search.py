@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import threading
 import tomllib
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -21,6 +22,8 @@ from contract_lib.cli import main
 from contract_lib.contract import check
 from contract_lib.search import Campaign, judge, search, to_toml, workloads
 from contract_lib.workloads import Workload, load_workload
+
+DIFFS = Path(__file__).resolve().parent.parent / "data" / "diffs"
 
 @settings(max_examples=200, deadline=None, database=None)
 @given(workloads())
@@ -110,18 +113,60 @@ def test_cli_writes_the_minimal_workload_and_exits_1(tmp_path, capsys):
 
 def test_cli_exits_0_when_the_budget_is_spent(capsys):
     assert main(["search", "--loop", "normal", "--budget", "3", "--no-database"]) == 0
-    assert "no finding on --loop normal within 3 examples" in capsys.readouterr().out
+    out = capsys.readouterr().out.splitlines()
+    # The numbers say the same thing: examples generated, bounded by --budget.
+    generated = int(re.match(r"seed 0: nothing found in (\d+) examples \((\d+) distinct",
+                             out[0]).group(1))
+    assert out[1] == f"no finding on --loop normal in {generated} examples (--budget 3)"
+    assert generated >= 3
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--loop", "gpu"], "unknown loop 'gpu'"),
     (["--loop", "mlx", "--patch", "no-such-patch"], "unknown patch 'no-such-patch'"),
     (["--loop", "overlap", "--patch", "user_patches:overlap_off_after_build"],
-     "all failed in set-up; the first: LoopMismatch"),
+     "failed in set-up, so every generated workload would: --loop overlap asked for "
+     "event_loop_overlap"),
+    (["--loop", "mlx", "--sglang", "/nonexistent"], "--sglang /nonexistent: no such directory"),
+    (["--loop", "mlx", "--diff", str(DIFFS / "stale-context.diff")], "does not apply to"),
+    (["--loop", "mlx", "--budget", "0"], "the budget must be at least 1"),
 ])
-def test_cli_usage_and_setup_errors_exit_2(argv, message, capsys):
-    assert main(["search", *argv, "--budget", "5", "--no-database"]) == 2
-    assert message in capsys.readouterr().err
+def test_cli_usage_and_setup_errors_exit_2_at_once_on_one_line(argv, message, capsys):
+    assert main(["search", "--budget", "5", *argv, "--no-database"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1  # no progress bar before it
+    assert err.startswith("error: ") and message in err
+
+
+def test_a_patch_that_fails_whatever_the_workload_stops_the_search_before_it_generates(
+        tmp_path, monkeypatch, capsys):
+    """A patch module that raises at import passes the name check (it exists): the
+    set-up probe reports it before any workload is generated or run."""
+    (tmp_path / "broken_patch_module.py").write_text('raise RuntimeError("broken module")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    campaign = Campaign("mlx", "broken_patch_module:fix", budget=5, database=False)
+    with pytest.raises(search_mod.SearchSetupError, match="RuntimeError: broken module"):
+        search(campaign)
+    assert (campaign.generated, campaign.runs) == (0, 0)
+    assert main(["search", "--loop", "mlx", "--patch", "broken_patch_module:fix",
+                 "--budget", "5", "--no-database"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [
+        "error: set-up probe on mlx, patch broken_patch_module:fix (sglang "
+        f"{contract_lib.run(search_mod.PROBE, 'mlx').meta['sglang_version']}) failed in "
+        "set-up, so every generated workload would: RuntimeError: broken module"]
+
+
+def test_a_search_runs_on_the_sglang_its_diffs_make():
+    """fix-backend-state.diff fixes clause 7, which the unpatched MLX loop violates at
+    once: with the diff, the same search finds nothing; the command and the file name
+    say which SGLang."""
+    assert search(Campaign("mlx", clause=7, budget=4, database=False)).found is not None
+    diff = str(DIFFS / "fix-backend-state.diff")
+    fixed = search(Campaign("mlx", clause=7, budget=4, database=False, diffs=(diff,)))
+    assert fixed.found is None and fixed.generated >= 4
+    assert f"--diff {diff}" in fixed.command()
+    assert fixed.slug == "mlx.unpatched.clause-7.diff-fix-backend-state"
 
 
 def test_the_example_database_replays_a_found_failure_first(tmp_path, monkeypatch):

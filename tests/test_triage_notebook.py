@@ -8,10 +8,13 @@ Each test executes the notebook once (~20-60 s).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import nbformat
 import pytest
+
+import contract_lib
 
 papermill = pytest.importorskip("papermill")
 
@@ -39,6 +42,37 @@ turn_of = "y"
 prompt_range = [100, 103]
 max_new_tokens = 3
 arrival = 14
+"""
+
+
+THREE_TURNS = """name = "three-turn"
+description = "held out: a three-turn chain a, a2 (a turn of a), a3 (a turn of a2)"
+max_steps = 150
+
+[[requests]]
+rid = "a"
+prompt_range = [20, 36]
+max_new_tokens = 8
+
+[[requests]]
+rid = "b"
+prompt_range = [40, 50]
+max_new_tokens = 6
+arrival = 2
+
+[[requests]]
+rid = "a2"
+turn_of = "a"
+prompt_range = [60, 64]
+max_new_tokens = 5
+arrival = 14
+
+[[requests]]
+rid = "a3"
+turn_of = "a2"
+prompt_range = [70, 73]
+max_new_tokens = 4
+arrival = 26
 """
 
 
@@ -116,3 +150,36 @@ def test_a_crashed_run_gets_its_verdict_not_every_clause_holds(tmp_path):
     assert "every clause holds" not in text
     assert "verdict: violated" in text and "crashed" in text
     assert "TypeError" in text  # the crash's location is shown
+
+
+def test_a_run_that_crashed_before_the_later_turns_runs_every_cell(tmp_path):
+    """mlx + no-launch-ts crashes at its first processed launch, before a2 and a3 arrive:
+    the notebook shows what the run recorded and the crash, runs every later cell, and
+    measures each later turn's ideal reuse on the torch reference (no run beats it)."""
+    path = tmp_path / "three-turn.toml"
+    path.write_text(THREE_TURNS)
+    notebook, error = _execute(tmp_path, workload=str(path), loop="mlx",
+                               patch="no-launch-ts")
+    assert error is None, error
+    errors = [o for cell in notebook.cells for o in cell.get("outputs", [])
+              if o.output_type == "error"]
+    assert not errors
+    texts = _text(notebook)
+    text = "\n".join(texts)
+    assert "crashed during loop" in text and "TypeError" in text
+    recorded = " ".join(re.search(r"recorded before it stopped:.*?\n\n", text, re.S)
+                        .group(0).split())
+    assert recorded.endswith("a2, a3")  # never known to the scheduler
+    assert texts[-1].startswith("<Figure")  # the last cell ran
+    # No request finished on the crashed run, so no token is compared with it.
+    assert re.search(r"same tokens as the first run( +-){4}\n", text)
+    reference = contract_lib.run(str(path), "normal")
+    for turn, parent in (("a2", "a"), ("a3", "a2")):
+        end = reference.requests.query(f"rid == '{parent}'").iloc[-1]
+        ideal = int(end["prompt_len"]) + int(end["emitted"]) - 1
+        block = text.split(f"{turn}, a later turn of {parent}: cached_tokens against the "
+                           "ideal (measured on normal)\n")[1]
+        rows = {line.split()[-4]: line.split()[-3:] for line in block.splitlines()[1:5]}
+        assert rows["no-launch-ts"] == ["-", str(ideal), "-"]  # the crashed run
+        assert rows["normal"] == [str(ideal), str(ideal), "0"]
+        assert all(int(diff) <= 0 for _, _, diff in rows.values() if diff != "-")

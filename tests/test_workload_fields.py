@@ -1,17 +1,24 @@
 """Workloads that say what bug reports say: stop tokens and EOS, aborts, priorities and
 ``page_size`` above 1, on every loop they apply to (``data/workloads/stop-tokens``,
-``abort``, ``priority``, ``page-size-4``), and each new field's validation error."""
+``abort``, ``priority``, ``page-size-4``), each new field's validation error, and a
+workload written as TOML (``found.to_toml``) reads back equal, every field included."""
 
 from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
 import contract_lib
 from contract_lib.contract import HOLDS, check
+from contract_lib.found import to_toml
 from contract_lib.status import Status
 from contract_lib.verdict import Outcome, unsupported
-from contract_lib.workloads import Workload, WorkloadError, load_workload
+from contract_lib.workloads import (WORKLOAD_DIR, RequestSpec, Workload, WorkloadError,
+                                    load_workload)
 
 LOOPS = ("normal", "overlap", "mlx")
 TORCH = ("normal", "overlap")
@@ -340,3 +347,48 @@ def test_new_fields_round_trip_and_scripted_aborts_are_expected():
     assert workload.expected_outcomes() == {"aborted": ["a"]}
     for name in ("stop-tokens", "abort", "priority", "page-size-4"):
         assert name in contract_lib.workload_names()
+
+
+# -- a workload as TOML (found.to_toml) ----------------------------------------------------
+
+ALL_FIELDS = Workload.from_dict({
+    "name": "every \"field\"", "description": "line one\nline \\two\\ \u00e9 \U0001f600 \x7f",
+    "max_steps": 90, "max_seconds": 12.5,
+    "server_args": {"enable_priority_scheduling": True, "schedule_conservativeness": 0.01,
+                    "schedule_policy": "lpm", "chunked_prefill_size": 16},
+    "expect": {"aborted": ["b"], "vacuous": True},
+    "requests": [
+        {"rid": "a", "prompt": [20, 21, 22], "max_new_tokens": 6, "arrival": 1,
+         "stop_token_ids": [7, 8], "emit": {"0": 7, "4": 2}, "ignore_eos": True,
+         "abort_at": 3, "priority": -5},
+        {"rid": "b", "prompt": [30], "max_new_tokens": 2, "turn_of": "a", "priority": 4},
+    ]})
+WORKLOAD_FILES = sorted([*WORKLOAD_DIR.glob("*.toml"), *(WORKLOAD_DIR / "found").glob("*.toml"),
+                         *(Path(__file__).parent / "workloads").glob("*.toml")])
+
+
+@pytest.mark.fast
+def test_the_all_fields_workload_sets_every_field():
+    """A field added to Workload or RequestSpec must be set here (and written by
+    to_toml) for the round trip below to cover it."""
+    for cls, values in ((Workload, [ALL_FIELDS]), (RequestSpec, ALL_FIELDS.requests)):
+        for field in dataclasses.fields(cls):
+            default = (field.default_factory() if callable(field.default_factory)
+                       else field.default)
+            assert any(getattr(v, field.name) != default for v in values), field.name
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("workload", [ALL_FIELDS, *WORKLOAD_FILES],
+                         ids=lambda w: w.stem if isinstance(w, Path) else "all-fields")
+def test_to_toml_round_trips_every_workload_field(workload):
+    workload = workload if isinstance(workload, Workload) else load_workload(workload)
+    text = to_toml(workload, ["a header", "", "line"])
+    assert Workload.from_dict(tomllib.loads(text), source="to_toml") == workload
+
+
+@pytest.mark.fast
+def test_to_toml_header_lines_are_comments_and_none_is_none():
+    assert to_toml(ALL_FIELDS, []).startswith("name = ")
+    text = to_toml(ALL_FIELDS, ["found by: x", "a line\nwith a newline", ""])
+    assert text.startswith("# found by: x\n# a line\n# with a newline\n#\nname = ")

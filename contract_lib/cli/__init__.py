@@ -1,8 +1,9 @@
 """Command line: ``python -m contract_lib {run,check,status,...} ...``.
 
-``--runner {model-free,real}`` and ``--sglang VERSION|PATH`` choose the MLX runner and the
-SGLang of ``run``, ``check`` and ``status`` (a release, or a source tree), ``--diff FILE``
-applies upstream diffs to it (:mod:`contract_lib.sources`); ``status`` takes ``--sglang``
+``--runner {model-free,real}`` chooses the MLX runner of ``run``, ``check`` and ``status``;
+``--sglang VERSION|PATH`` the SGLang of those and of ``trace``, ``audit`` and ``search`` (a
+release, or a source tree), and ``--diff FILE`` applies upstream diffs to it
+(:mod:`contract_lib.sources`); ``status`` takes ``--sglang``
 several times to print the tables side by side. ``compare`` runs the same workloads
 through a base and a head SGLang (:mod:`contract_lib.compare`). ``server status|stop``
 shows or stops the warm servers runs fork from (:mod:`contract_lib.pool`).

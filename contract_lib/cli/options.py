@@ -13,7 +13,7 @@ from contract_lib.frames import Frames
 from contract_lib.harness import RUNNERS, RunInterrupted, RunSetupError, run
 from contract_lib.patches import BUILTIN_PATCHES, PatchError, patch_spec
 from contract_lib.paths import FRAMES_DIR
-from contract_lib.sources import is_path
+from contract_lib.sources import file_part as sglang_file_part
 from contract_lib.verdict import Outcome, loop_mismatch, setup_failed
 from contract_lib.versions import (SUPPORTED_SGLANG_VERSIONS, SGLangInstallError,
                                    UnsupportedSGLangError)
@@ -66,6 +66,11 @@ def add_release_options(parser: argparse.ArgumentParser, repeat: bool = False) -
     parser.add_argument("--runner", choices=RUNNERS, default="model-free",
                         help="mlx loop: the model-free next-token function (default) or "
                         "SGLang's real MlxModelRunner with a tiny local mlx-lm model")
+    add_sglang_options(parser, repeat)
+
+
+def add_sglang_options(parser: argparse.ArgumentParser, repeat: bool = False) -> None:
+    """``--sglang VERSION|PATH`` (repeatable with ``repeat``) and ``--diff FILE``."""
     versions = ", ".join(SUPPORTED_SGLANG_VERSIONS)
     what = (f"the SGLang release ({versions}; default: the venv's; others install into "
             ".cache/sglang/<version> on first use) or a path to an SGLang source tree (a "
@@ -107,10 +112,7 @@ def default_out(args) -> Path:
     name = f"{Path(args.workload).stem}.{args.loop}"
     if args.runner == "real":
         name += ".real"
-    if args.sglang:
-        name += f".sglang-{Path(args.sglang).name if is_path(args.sglang) else args.sglang}"
-    for diff in args.diff or ():
-        name += f".diff-{Path(diff).stem}"
+    name += sglang_file_part(args.sglang, args.diff)
     if args.patch:
         name += "." + file_part(patch_spec(args.patch))
     return FRAMES_DIR / f"{name}.json"

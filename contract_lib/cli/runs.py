@@ -8,9 +8,9 @@ from pathlib import Path
 
 from contract_lib import loops
 from contract_lib.cli.options import (add_clauses_option, add_run_options,
-                                      add_strict_known_option,
-                                      add_speed_options, fate, file_part,
-                                      run_and_save)
+                                      add_sglang_options, add_speed_options,
+                                      add_strict_known_option, fate, file_part,
+                                      run_and_save, sglang_file_part)
 from contract_lib.harness import run
 from contract_lib.patches import patch_spec
 from contract_lib.paths import FRAMES_DIR
@@ -62,15 +62,19 @@ def cmd_check(args) -> int:
 
 
 def cmd_trace(args) -> int:
+    from contract_lib.sources import resolve, run_sglang
     from contract_lib.trace import write_trace
 
     # Default: the first reference loop beside the first candidate.
     chosen = args.loop or [loops.reference_names()[0],
                            next(n for n in loops.default_names() if not loops.spec(n).reference)]
     patch = patch_spec(args.patch)
+    source = resolve(args.sglang, args.diff)  # a bad tree or diff: exit 2 before any run
     runs = [run(args.workload, loop, patch=patch, cache=not args.no_cache,
-                warm=not args.cold) for loop in chosen]
+                warm=not args.cold, **run_sglang(loop, source, args.sglang, args.diff))
+            for loop in chosen]
     name = f"{Path(args.workload).stem}.{'-'.join(chosen)}"
+    name += sglang_file_part(args.sglang, args.diff)
     if patch:
         name += "." + file_part(patch)
     if args.wall_clock:
@@ -110,8 +114,10 @@ def register(commands) -> None:
     trace_parser.add_argument("--workload", required=True)
     trace_parser.add_argument("--patch", action="append")
     trace_parser.add_argument("--out", type=Path, help="default: data/frames/"
-                              "<workload>.<loops>.trace.json")
+                              "<workload>.<loops>[.sglang-<version>][.diff-<name>]"
+                              "[.<patch>][.wall-clock].trace.json")
     trace_parser.add_argument("--wall-clock", action="store_true",
                               help="real step times instead of synthetic, byte-stable ones")
+    add_sglang_options(trace_parser)
     add_speed_options(trace_parser)
     trace_parser.set_defaults(handler=cmd_trace)

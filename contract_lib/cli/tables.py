@@ -7,8 +7,8 @@ import sys
 
 from contract_lib import loops
 from contract_lib.cli.options import (add_clauses_option, add_release_options,
-                                      add_strict_known_option,
-                                      add_speed_options)
+                                      add_sglang_options, add_speed_options,
+                                      add_strict_known_option)
 from contract_lib.harness import RUNNERS
 from contract_lib.patches import patch_spec
 from contract_lib.verdict import Outcome
@@ -37,7 +37,8 @@ def cmd_audit(args) -> int:
     from contract_lib.audit import AuditRunFailed, audit
 
     try:
-        result = audit(args.workload, patch=patch_spec(args.patch))
+        result = audit(args.workload, patch=patch_spec(args.patch), sglang=args.sglang,
+                       diff=args.diff)
     except AuditRunFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.outcome
@@ -74,6 +75,7 @@ def register(commands) -> None:
         "audit", help="effects audit: what the torch loops' steps write that mlx does not")
     audit_parser.add_argument("--workload", default="two-turn")
     audit_parser.add_argument("--patch", action="append", help="apply to every loop's run")
+    add_sglang_options(audit_parser)
     audit_parser.set_defaults(handler=cmd_audit)
     compare_parser = commands.add_parser(
         "compare", help="the same workloads through a base and a head SGLang, side by side; "

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from contract_lib import loops
+from contract_lib.cli.options import add_sglang_options
 from contract_lib.contract import CLAUSE_SETS, CLAUSES
 from contract_lib.harness import RunSetupError
 from contract_lib.patches import patch_spec
@@ -14,20 +15,26 @@ from contract_lib.verdict import Outcome
 
 
 def cmd_search(args) -> int:
-    from contract_lib.search import (FOUND_DIR, Campaign, SearchSetupError, search_many,
-                                     workload_size, write_found)
+    from contract_lib.search import (FOUND_DIR, Campaign, SearchSetupError, prepare,
+                                     search_many, workload_size, write_found)
 
     from tqdm.auto import tqdm
 
-    if args.loop not in loops.names():
-        raise RunSetupError(f"unknown loop {args.loop!r}; valid loops: "
-                            f"{', '.join(loops.names())}")
-    if args.budget < 1 or args.seeds < 1:
-        raise RunSetupError("--budget and --seeds must be at least 1")
+    if args.seeds < 1:
+        raise RunSetupError("--seeds must be at least 1")
     patch = patch_spec(args.patch)
     campaigns = [Campaign(args.loop, patch, args.clause, args.budget, args.seed + k,
-                          clauses=args.clauses, shrink_budget=args.shrink_budget, database=not args.no_database,
-                          cache=not args.no_cache) for k in range(args.seeds)]
+                          clauses=args.clauses, shrink_budget=args.shrink_budget,
+                          database=not args.no_database, cache=not args.no_cache,
+                          sglang=args.sglang, diffs=tuple(args.diff or ()))
+                 for k in range(args.seeds)]
+    try:  # before the bar: what fails whatever the workload is one line, at once
+        source = prepare(campaigns[0])
+    except SearchSetupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return Outcome.USAGE
+    for campaign in campaigns[1:]:
+        campaign.source = source
     bar = tqdm(total=args.budget * args.seeds, desc=f"search {args.loop}", unit="run",
                file=sys.stderr, leave=False)
 
@@ -45,6 +52,7 @@ def cmd_search(args) -> int:
             executor = client.get_executor()
         done = search_many(campaigns, executor, progress)
     except SearchSetupError as exc:
+        bar.close()  # the error on a line of its own
         print(f"error: {exc}", file=sys.stderr)
         return Outcome.USAGE
     finally:
@@ -52,13 +60,16 @@ def cmd_search(args) -> int:
         if client is not None:
             client.close()
     found = [c for c in done if c.found]
-    for campaign in done:
-        print(f"seed {campaign.seed}: {campaign.examples} examples, {campaign.runs} runs, "
-              f"{campaign.rejected} discarded: "
-              f"{'found ' + campaign.found[1].kind if campaign.found else 'nothing found'}")
+    for c in done:
+        print(f"seed {c.seed}: " + (
+            f"found {c.found[1].kind} after {c.generated} examples ({c.examples} distinct "
+            f"workloads run), {c.runs} runs with shrinking" if c.found else
+            f"nothing found in {c.generated} examples ({c.runs} distinct workloads run)")
+            + f", {c.rejected} discarded")
     if not found:
-        print(f"no finding on --loop {args.loop}"
-              f"{' --patch ' + patch if patch else ''} within {args.budget} examples")
+        print(f"no finding on --loop {args.loop}{' --patch ' + patch if patch else ''} in "
+              f"{sum(c.generated for c in done)} examples (--budget {args.budget}"
+              f"{' per seed' if args.seeds > 1 else ''})")
         return Outcome.PASS
     best = min(found, key=lambda c: tuple(workload_size(c.found[0]).values()))
     path = write_found(best, args.out or FOUND_DIR)
@@ -178,6 +189,7 @@ def register(commands) -> None:
                                "workload to (default: data/workloads/found)")
     search_parser.add_argument("--no-cache", action="store_true",
                                help="neither serve nor store runs in the frame cache")
+    add_sglang_options(search_parser)
     search_parser.set_defaults(handler=cmd_search)
     cache_parser = commands.add_parser("cache", help="manage the frame cache")
     cache_parser.add_argument("action", choices=["clear", "path"])

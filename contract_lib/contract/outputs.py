@@ -13,6 +13,8 @@ from __future__ import annotations
 import pandas as pd
 
 from contract_lib.contract.base import first_step_showing
+from contract_lib import loops
+from contract_lib.loops import PREFILL
 from contract_lib.frames import Frames
 from contract_lib.shims.model import next_token
 
@@ -47,3 +49,36 @@ def wrong_outputs(frames: Frames) -> pd.DataFrame:
     for row in rows:
         row["step"] = steps.get(row["rid"], last_step)
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def same_tokens(run: Frames, other: Frames) -> dict[str, bool]:
+    """Per request that finished in both runs of one workload (in ``run``'s request
+    order), whether the two emitted the same tokens, as every correct loop must: a
+    request that finished by a stop or its length emits exactly the same tokens; one
+    aborted in either run may stop a token apart (an abort lands at a step, and each loop
+    steps at its own cadence), so the shorter output must begin the longer. A request
+    that did not finish in both (a run that stopped early) is not compared. A PD
+    prefill side emits each request's first token only (its ``max_new_tokens`` is set
+    to 1, ``disaggregation/prefill.py``): that token is what it is compared on."""
+    ends = [_finish_reasons(frames) for frames in (run, other)]
+    tokens = [frames.output_tokens() for frames in (run, other)]
+    if PREFILL in (loops.known(run.loop).disaggregation, loops.known(other.loop).disaggregation):
+        tokens = [{rid: emitted[:1] for rid, emitted in side.items()} for side in tokens]
+    same = {}
+    for rid in ends[0]:
+        if rid not in ends[1]:
+            continue
+        ours, theirs = tokens[0].get(rid, []), tokens[1].get(rid, [])
+        if "abort" in (ends[0][rid], ends[1][rid]):
+            shorter, longer = sorted((ours, theirs), key=len)
+            same[rid] = longer[:len(shorter)] == shorter
+        else:
+            same[rid] = ours == theirs
+    return same
+
+
+def _finish_reasons(frames: Frames) -> dict[str, str]:
+    """Each request that finished in the run, in request order: its finish reason."""
+    last = frames.requests.drop_duplicates("rid", keep="last").set_index("rid")
+    return {rid: str(last.at[rid, "finish_reason"])
+            for rid in dict.fromkeys(frames.requests["rid"]) if last.at[rid, "finished"]}

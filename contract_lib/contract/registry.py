@@ -51,9 +51,14 @@ EXTENDED_FIELDS: dict[int, list[str]] = {}  # number -> fields an extension adds
 CLAUSE_OF_FIELD: dict[str, int] = {}  # audit field -> clause number
 
 
-def register(declared: Clause) -> Clause:
-    """Add (or replace) a clause and refresh the derived views."""
+def register(declared: Clause, *, replace: bool = False) -> Clause:
+    """Add a clause and refresh the derived views. A number already registered is a
+    ValueError unless ``replace`` (then an extension of the replaced clause, declared
+    with :func:`extend`, stays unless ``declared`` brings its own)."""
     previous = REGISTRY.get(declared.number)
+    if previous is not None and not replace:
+        raise ValueError(f"clause {declared.number} is already registered "
+                         f"({previous.name!r}); pass replace=True to replace it")
     if previous is not None and declared.extended is None:
         declared.extended, declared.extended_fields = previous.extended, previous.extended_fields
     REGISTRY[declared.number] = declared
@@ -83,12 +88,13 @@ def _refresh() -> None:
 
 def clause(number: int, name: str, *, fields: tuple[str, ...] = (),
            audit_fields: tuple[str, ...] = (), readers: tuple[str, ...] = (),
-           origin: str = RFC, unexercised: Callable[[Any], str | None] | None = None
-           ) -> Callable[[Check], Check]:
-    """Decorator: declare ``number`` checked by the decorated function."""
+           origin: str = RFC, unexercised: Callable[[Any], str | None] | None = None,
+           replace: bool = False) -> Callable[[Check], Check]:
+    """Decorator: declare ``number`` checked by the decorated function (``replace``: see
+    :func:`register`)."""
     def declare(check: Check) -> Check:
         register(Clause(number, name, check, fields, audit_fields, readers, origin,
-                        unexercised))
+                        unexercised), replace=replace)
         return check
     return declare
 

@@ -38,8 +38,9 @@ from contract_lib.views.stamps import stamps_table, step_stamps
 from contract_lib.views.style import panels, run_label, wrap
 from contract_lib.views.tables import (bug_card, crash_summary, frames_around, report_table,
                                        text_table)
-from contract_lib.views.triage import (clause_view, first_violation, step_explorer,
-                                       step_figure, step_snapshot, triage_focus)
+from contract_lib.views.triage import (clause_view, first_violation, recorded_summary,
+                                       step_explorer, step_figure, step_snapshot,
+                                       triage_focus)
 
 __all__ = [
     "SLOT_COLOURS", "audit_cadences", "audit_table", "beyond_rfc_text", "bug_card",
@@ -47,7 +48,8 @@ __all__ = [
     "crash_summary", "damage_by_workload", "damage_summary", "damage_table", "first_violation",
     "frames_around", "idle_predicate", "kv_pool_verdicts", "kv_writes", "later_turns",
     "launch_kinds", "launch_timeline", "md", "memory_pressure", "memory_table",
-    "panels", "radix_reuse", "radix_reuse_table", "relay_events", "report_table",
+    "panels", "radix_reuse", "radix_reuse_table", "recorded_summary", "relay_events",
+    "report_table",
     "retired_lanes", "run_label", "same_tables", "scheduling_clock", "setup",
     "slot_grid", "slot_rows", "stamps_table", "step_explorer", "step_figure",
     "step_snapshot", "step_stamps", "Stop", "text_table", "token_table", "triage_focus",

@@ -12,6 +12,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
+from contract_lib import loops
 from contract_lib.contract import live_mask
 from contract_lib.frames import Frames
 from contract_lib.workloads import Workload, load_workload
@@ -99,15 +100,26 @@ def counter_drift(*runs: Frames, rid: str, labels: Sequence[str] | None = None,
     return fig
 
 
-def _reuse_ideal(frames: Frames, rid: str, workload: Workload | str | Path | None
-                 ) -> tuple[str, int]:
-    spec = load_workload(workload or frames.meta["workload"]) \
+def _reuse_ideal(runs: Sequence[Frames], rid: str, workload: Workload | str | Path | None
+                 ) -> tuple[str, int | None, int | None]:
+    """The parent of later turn ``rid``, the ideal reuse and the index of the run it is
+    taken from:
+    the first finished run of a reference loop among ``runs`` (else the first finished
+    run; a run that stopped early never shows the parent's whole output); None, None
+    when no run finished with the parent in it."""
+    spec = load_workload(workload or runs[0].meta["workload"]) \
         if not isinstance(workload, Workload) else workload
     turn = spec.request(rid)
     if turn.turn_of is None:
         raise ValueError(f"request {rid!r} is not a later turn; pass ideal=")
-    parent = request_rows(frames, turn.turn_of).iloc[-1]
-    return turn.turn_of, int(parent["prompt_len"]) + int(parent["emitted"]) - 1
+    finished = [i for i, f in enumerate(runs) if f.status == "finished"
+                and (f.requests["rid"] == turn.turn_of).any()]
+    source = next((i for i in finished if loops.known(runs[i].loop).reference),
+                  finished[0] if finished else None)
+    if source is None:
+        return turn.turn_of, None, None
+    parent = request_rows(runs[source], turn.turn_of).iloc[-1]
+    return turn.turn_of, int(parent["prompt_len"]) + int(parent["emitted"]) - 1, source
 
 
 def radix_reuse_table(*runs: Frames, rid: str = "a2", labels: Sequence[str] | None = None,
@@ -115,21 +127,25 @@ def radix_reuse_table(*runs: Frames, rid: str = "a2", labels: Sequence[str] | No
                       workload: Workload | str | Path | None = None) -> pd.DataFrame:
     """``cached_tokens`` of a later turn per run, against the ideal reuse: the parent
     turn's prompt + output - 1 (every position whose KV the parent computed; the last
-    output token is never fed back), taken from the first run. ``workload`` (a name, a
-    ``.toml`` path or a :class:`~contract_lib.workloads.Workload`) says which request is
-    whose later turn; by default the workload the first run names."""
+    output token is never fed back), taken from the first finished run of a reference
+    loop (else the first finished run; missing when none finished). ``workload`` (a name,
+    a ``.toml`` path or a :class:`~contract_lib.workloads.Workload`) says which request
+    is whose later turn; by default the workload the first run names. ``attrs``:
+    ``parent``, and ``ideal_from``, the label of the run the ideal comes from."""
     names = labels_for(runs, labels)
-    parent = None
+    parent = ideal_from = None
     if ideal is None:
-        parent, ideal = _reuse_ideal(runs[0], rid, workload)
+        parent, ideal, source = _reuse_ideal(runs, rid, workload)
+        ideal_from = None if source is None else names[source]
     rows = []
     for frames, name in zip(runs, names):
         seen = frames.requests[frames.requests["rid"] == rid]
         cached = int(seen["cached_tokens"].iloc[-1]) if len(seen) else None
         rows.append({"run": name, "cached_tokens": cached, "ideal": ideal,
-                     "difference": None if cached is None else cached - ideal})
-    table = pd.DataFrame(rows).astype({"cached_tokens": "Int64", "difference": "Int64"})
-    table.attrs["parent"] = parent
+                     "difference": None if None in (cached, ideal) else cached - ideal})
+    table = pd.DataFrame(rows).astype({"cached_tokens": "Int64", "ideal": "Int64",
+                                       "difference": "Int64"})
+    table.attrs.update(parent=parent, ideal_from=ideal_from)
     return table
 
 
@@ -138,6 +154,9 @@ def radix_reuse(*runs: Frames, rid: str = "a2", labels: Sequence[str] | None = N
                 workload: Workload | str | Path | None = None) -> Figure:
     """Bar chart of :func:`radix_reuse_table`: cached tokens of the later turn per run."""
     table = radix_reuse_table(*runs, rid=rid, labels=labels, ideal=ideal, workload=workload)
+    if table["ideal"].isna().all():
+        raise ValueError(f"no run finished with {table.attrs['parent']} in it: no ideal "
+                         f"reuse of {rid} to draw against; pass ideal=")
     ideal = int(table["ideal"].iloc[0])
     parent = table.attrs.get("parent")
     fig = Figure(figsize=(max(6.5, 1.9 * len(table) + 2.5), 4.6), layout="constrained")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -15,6 +16,7 @@ from contract_lib.views.counters import COUNTER_STYLES
 from contract_lib.views.slots import SLOT_COLOURS, slot_rows
 from contract_lib.views.style import (GREY, int_ticks, post_steps, request_rows, run_label,
                                       titles, wrap)
+from contract_lib.workloads import Workload, load_workload
 
 
 def first_violation(report: Report) -> dict[str, Any] | None:
@@ -24,12 +26,13 @@ def first_violation(report: Report) -> dict[str, Any] | None:
     return None if hits.empty else hits.iloc[0].to_dict()
 
 
-def triage_focus(frames: Frames, report: Report) -> tuple[int, str]:
+def triage_focus(frames: Frames, report: Report) -> tuple[int, str | None]:
     """Where to look first: the step and request of :func:`first_violation` (for a
     clause without a request, the first request live at that step); with no violation,
-    the last step and the first request."""
+    the last step and the first request; None for the request of a run that stopped
+    before the scheduler knew any."""
     first = first_violation(report)
-    rids = list(dict.fromkeys(frames.requests["rid"]))
+    rids = list(dict.fromkeys(frames.requests["rid"])) or [None]
     if first is None:
         return int(frames.steps["step"].max()), rids[0]
     step = int(first["step"])
@@ -38,6 +41,23 @@ def triage_focus(frames: Frames, report: Report) -> tuple[int, str]:
     at_step = frames.requests[frames.requests["step"] == step]
     live = at_step[live_mask(at_step)]["rid"].tolist()
     return step, (live or at_step["rid"].tolist() or rids)[0]
+
+
+def recorded_summary(frames: Frames, workload: Workload | str | Path) -> str:
+    """What a run recorded before it stopped: its steps and launches, each request of
+    ``workload`` it knew (finished, or live when it stopped, with the tokens emitted),
+    and those it never got to."""
+    spec = workload if isinstance(workload, Workload) else load_workload(workload)
+    steps = frames.steps["step"]
+    last = frames.requests.drop_duplicates("rid", keep="last").set_index("rid")
+    known = [f"{rid} ({'finished' if last.at[rid, 'finished'] else 'live'}, emitted "
+             f"{int(last.at[rid, 'emitted'])})" for rid in last.index]
+    missing = [r.rid for r in spec.requests if r.rid not in last.index]
+    span = f"steps {int(steps.min())}-{int(steps.max())}" if len(steps) else "no step"
+    launches = f"{len(frames.launches)} launch{'' if len(frames.launches) == 1 else 'es'}"
+    return wrap(f"recorded before it stopped: {span}, {launches}; "
+                f"requests {', '.join(known) or 'none'}; never known to the scheduler: "
+                f"{', '.join(missing) or 'none'}")
 
 
 def _compact_row(states: pd.DataFrame) -> str:
@@ -86,7 +106,8 @@ def step_snapshot(frames: Frames, step: int, rid: str, report: Report | None = N
     lines.append("launches: " + (", ".join(kinds) if kinds else "none"))
     rows = frames.requests[(frames.requests["step"] == step) & (frames.requests["rid"] == rid)]
     if rows.empty:
-        lines.append(f"request {rid}: not known to the scheduler yet")
+        lines.append(f"request {rid}: not known to the scheduler yet" if rid is not None
+                     else "no request known to the scheduler in this run")
         return wrap("\n".join(lines))
     r = rows.iloc[0]
 
@@ -117,10 +138,18 @@ def step_snapshot(frames: Frames, step: int, rid: str, report: Report | None = N
     return wrap("\n".join(lines))
 
 
-def step_figure(frames: Frames, step: int, rid: str) -> Figure:
+def step_figure(frames: Frames, step: int, rid: str | None) -> Figure:
     """One request at one step: its counters over the run (the step marked) and its
-    ``req_to_token`` row at that step coloured by clause-1 state."""
+    ``req_to_token`` row at that step coloured by clause-1 state; a note for ``rid``
+    None (a run that stopped before the scheduler knew any request, :func:`triage_focus`),
+    a ValueError naming the known ones for a request not in the run."""
     fig = Figure(figsize=(11, 4.6), layout="constrained")
+    if rid is None:
+        ax = fig.subplots()
+        ax.text(0.5, 0.5, f"{run_label(frames)}: no request known to the scheduler",
+                ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return fig
     left, right = fig.subplots(1, 2, width_ratios=(1, 1.3))
     rows = request_rows(frames, rid)
     live = rows[live_mask(rows)]
@@ -171,6 +200,8 @@ def step_explorer(frames: Frames, step: int | None = None, rid: str | None = Non
 
     steps = frames.steps["step"]
     rids = list(dict.fromkeys(frames.requests["rid"]))
+    if not rids:
+        return widgets.Label("no request known to the scheduler: nothing to explore")
     slider = widgets.IntSlider(value=int(step if step is not None else steps.min()),
                                min=int(steps.min()), max=int(steps.max()), description="step",
                                continuous_update=False)
