@@ -10,7 +10,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from contract_lib import pool
+from contract_lib.runs import pool
 
 _saved: dict[str, str | None] = {}
 _prestarts: list = []
@@ -27,7 +27,7 @@ def pytest_collection_finish(session):
     release now, side by side, in the background while the first kernels start (each
     import would otherwise wait for the first run that needs it)."""
     if any(str(item.path).endswith(".ipynb") for item in session.items):
-        from contract_lib.versions import installed_release_folders
+        from contract_lib.sources.versions import installed_release_folders
 
         _prestarts.extend(pool.prestart([None, *installed_release_folders()]))
 

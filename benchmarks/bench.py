@@ -33,7 +33,7 @@ from pathlib import Path
 import pandas as pd
 
 import contract_lib
-from contract_lib import pool
+from contract_lib.runs import pool
 from contract_lib.contract import check
 from contract_lib.frames import Frames
 
@@ -195,7 +195,7 @@ def concurrent_memory(runs: int = 8) -> list[dict]:
     servers serve them, and the peak proportional memory (PSS) of servers and runs."""
     import psutil
 
-    from contract_lib.harness import run_many
+    from contract_lib.runs.harness import run_many
 
     with tempfile.TemporaryDirectory() as directory:
         saved = os.environ.get(pool.SERVER_DIR_ENV)
@@ -329,7 +329,7 @@ def machine() -> str:
     import torch
 
     return (f"{platform.platform()}, {os.cpu_count()} cores, Python "
-            f"{platform.python_version()}, sglang {contract_lib.versions.installed_sglang_version()}, "
+            f"{platform.python_version()}, sglang {contract_lib.sources.versions.installed_sglang_version()}, "
             f"torch {torch.__version__}")
 
 

@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any
 # that needs them is used; measured with ``python -X importtime -c 'import contract_lib'``).
 _EXPORTS = {
     "Frames": "frames", "FramesFormatError": "frames",
-    "LOOPS": "harness", "RUNNERS": "harness", "RunSetupError": "harness", "run": "harness",
-    "BUILTIN_PATCHES": "patches", "PatchError": "patches",
-    "SUPPORTED_SGLANG_VERSIONS": "versions", "SGLangInstallError": "versions",
-    "UnsupportedSGLangError": "versions",
+    "LOOPS": "runs.harness", "RUNNERS": "runs.harness", "RunSetupError": "runs.harness",
+    "run": "runs.harness",
+    "BUILTIN_PATCHES": "patches.builtin", "PatchError": "patches.builtin",
+    "SUPPORTED_SGLANG_VERSIONS": "sources.versions", "SGLangInstallError": "sources.versions",
+    "UnsupportedSGLangError": "sources.versions",
     "Workload": "workloads", "WorkloadError": "workloads", "load_workload": "workloads",
     "workload_names": "workloads",
 }
@@ -29,9 +30,9 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from contract_lib.frames import Frames, FramesFormatError
-    from contract_lib.harness import LOOPS, RUNNERS, RunSetupError, run
-    from contract_lib.patches import BUILTIN_PATCHES, PatchError
-    from contract_lib.versions import (SUPPORTED_SGLANG_VERSIONS, SGLangInstallError,
+    from contract_lib.runs.harness import LOOPS, RUNNERS, RunSetupError, run
+    from contract_lib.patches.builtin import BUILTIN_PATCHES, PatchError
+    from contract_lib.sources.versions import (SUPPORTED_SGLANG_VERSIONS, SGLangInstallError,
                                        UnsupportedSGLangError)
     from contract_lib.workloads import Workload, WorkloadError, load_workload, workload_names
 

@@ -40,26 +40,26 @@ Tables (pandas DataFrames; the column lists below are the schema):
 - ``outputs``: the emitted token ids per request, at the end of the run.
 - ``effects`` (audit runs only): per step, every attribute written on the contract's
   objects, with the SGLang code location that wrote it and how often
-  (:mod:`contract_lib.effects`).
+  (:mod:`contract_lib.child.effects`).
 - ``backend_state``: per step, every entry of the backend's per-request structures
   (the MLX worker's and runner's dicts and sets keyed by request id): request id,
   ``structure`` (``tp_worker._mlx_active_rids``, ``tp_worker._mlx_runner._req_caches``,
   ...) and, for a structure that maps the request to a ``req_to_token`` row, that
-  ``row`` (:class:`contract_lib.capture.BackendStateRecorder`; clause 7).
+  ``row`` (:class:`contract_lib.child.capture.BackendStateRecorder`; clause 7).
 - ``evictions``: every call of the KV allocator's ``evict_to_free_tokens`` that asked the
   radix tree to evict or changed it: the tokens the allocation needed (``need``), those
   free then (``available``), the most it ``asked`` the tree for, and the tree's
-  evictable tokens before and after (:mod:`contract_lib.capture.evictions`; clause 2).
+  evictable tokens before and after (:mod:`contract_lib.child.capture.evictions`; clause 2).
 - ``kv_syncs`` (MLX, radix cache on): every position written into the MLX attention
   KV pool: step, request, kind (``prefill``, ``extend``, ``release``, ``flush``,
   ``remove``; ``dropped`` for positions a clamped release leaves out), position, slot,
   and whose slot it was (``target``: ``own``, ``slot 0``, ``other live request`` with
-  its ``owner``, ``shared prefix``, ``free``, ``cached``) (:mod:`contract_lib.kvpool`).
+  its ``owner``, ``shared prefix``, ``free``, ``cached``) (:mod:`contract_lib.child.kvpool`).
 - ``kv_pool`` (MLX, radix cache on): at the end of the run, per request and
   radix-matched position, its pool slot's KV against mlx-lm's own KV for that request's
   tokens: ``verdict`` ``ok`` / ``zero`` / ``wrong`` and ``max_abs_diff``. The model-free
   runner's pool holds contents, not KV (per slot, a digest of the tokens it was computed
-  from, :class:`contract_lib.shims.mlx_runner.ModelFreeKvPool`): the same verdicts,
+  from, :class:`contract_lib.child.shims.mlx_runner.ModelFreeKvPool`): the same verdicts,
   ``max_abs_diff`` NaN.
 
 - ``prebuilt`` (PD-disaggregation decode side): every request a prebuilt batch admitted
@@ -141,7 +141,7 @@ WALL_CLOCK_COLUMNS: dict[str, list[str]] = {
 }
 
 # ``interrupted``: Ctrl-C or a cancelled batch stopped the run and killed its child
-# (contract_lib.harness.RunInterrupted carries such frames).
+# (contract_lib.runs.harness.RunInterrupted carries such frames).
 STATUSES = ("finished", "crashed", "timeout", "died", "interrupted")
 
 class RequiredMeta(TypedDict):

@@ -6,7 +6,7 @@ enter), the capture (how requests enter, where in-flight work waits), the contra
 (clause 5's in-flight term), ``status``/``audit`` (which loops run by default, which are
 the reference) and the CLI (``--loop`` choices). A new variant of an existing family
 (torch, MLX or sglang-omni) is one :func:`register` call; a new family also names its
-build in :mod:`contract_lib.child` and its ingress in :mod:`contract_lib.capture`.
+build in :mod:`contract_lib.child.main` and its ingress in :mod:`contract_lib.child.capture`.
 
 Bottom floor: imports nothing from the package.
 """
@@ -18,7 +18,7 @@ import dataclasses
 REFERENCE, CANDIDATE = "reference", "candidate"
 # Families: how the scheduler is built and fed. ``sglang``: SGLang's own ``Scheduler``
 # built by its ``__init__`` and fed through a scripted ``request_receiver``; ``omni``:
-# sglang-omni's ``OmniScheduler`` (:mod:`contract_lib.omni`), fed through its inbox.
+# sglang-omni's ``OmniScheduler`` (:mod:`contract_lib.child.omni`), fed through its inbox.
 SGLANG, OMNI = "sglang", "omni"
 # PD-disaggregation roles (``ServerArgs.disaggregation_mode``).
 PREFILL, DECODE = "prefill", "decode"

@@ -77,7 +77,7 @@ def contract_run(request: pytest.FixtureRequest,
 
     def run(workload: Any, loop: str = "mlx", patch: Any = None, **run_kwargs: Any) -> "Frames":
         from contract_lib.frames import run_title
-        from contract_lib.harness import run as run_loop
+        from contract_lib.runs.harness import run as run_loop
 
         frames = run_loop(workload, loop, patch=patch, **run_kwargs)
         path = frames.save(tmp_path / f"run{len(runs)}.{frames.meta['workload']}.{loop}.json")

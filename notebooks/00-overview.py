@@ -92,7 +92,7 @@
 import contract_lib
 from contract_lib import views
 from contract_lib.contract import check
-from contract_lib.status import status
+from contract_lib.campaigns.status import status
 
 views.setup()
 

@@ -9,7 +9,7 @@
 # `ReqKvInfo`, the `FutureMap`, the tree cache, the KV allocator, the `ReqToTokenPool`
 # (its `write`, as `req_to_token[]`), the metrics reporter and the profiler manager. Each
 # write is kept with its step and the SGLang function that made it
-# (`contract_lib/effects.py`). Two kinds of writes are not *effects* and are set aside:
+# (`contract_lib/child/effects.py`). Two kinds of writes are not *effects* and are set aside:
 # assigning a value that is already there (the same object, or an equal number), and
 # building a new object (`ScheduleBatch.copy()` for the batch every overlap loop hands to
 # `process_batch_result`, new `Req`s).
@@ -18,13 +18,13 @@
 # chained and fresh MLX launches differ): changed at every decode launch, only at fresh
 # ones (when the MLX chain breaks), at some, or never. A **finding** is a field that both
 # torch loops change at every decode launch and the MLX loop does not
-# (`contract_lib/audit.py`). For each finding the audit greps the installed SGLang for
+# (`contract_lib/campaigns/audit.py`). For each finding the audit greps the installed SGLang for
 # the code that reads the field, and says whether a shipped clause already checks it.
 
 # %%
 # %matplotlib inline
 from contract_lib import views
-from contract_lib.audit import audit
+from contract_lib.campaigns.audit import audit
 
 views.setup()
 
@@ -163,7 +163,7 @@ views.md(
 
 # %%
 from contract_lib.contract import check
-from contract_lib.status import status
+from contract_lib.campaigns.status import status
 
 extended = status(progress=False)
 print(extended.text())

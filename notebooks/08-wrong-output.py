@@ -44,9 +44,10 @@
 # %matplotlib inline
 
 import contract_lib
-from contract_lib import kvpool, views
-from contract_lib.status import releases_status
-from contract_lib.tiny_model import CONFIG, reference_outputs, tiny_model_dir, weights_digest
+from contract_lib import views
+from contract_lib.child import kvpool
+from contract_lib.campaigns.status import releases_status
+from contract_lib.sources.tiny_model import CONFIG, reference_outputs, tiny_model_dir, weights_digest
 
 views.setup()
 

@@ -36,8 +36,8 @@ import pandas as pd
 import contract_lib
 from contract_lib import views
 from contract_lib.contract import check
-from contract_lib.report import step_table
-from contract_lib.search import Campaign, judge, search, to_toml, workload_size
+from contract_lib.views.text import step_table
+from contract_lib.campaigns.search import Campaign, judge, search, to_toml, workload_size
 
 views.setup()
 

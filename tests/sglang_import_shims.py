@@ -3,6 +3,6 @@ venv, as SGLang's own tests do, by installing contract_lib's import shims (SGLan
 Triton stand-in; this CPU-only venv has no triton) the way every run's process does.
 Used to run the SGLang-tree test in ``contrib/`` here (``tests/test_plugin.py``)."""
 
-from contract_lib.shims import install_import_shims
+from contract_lib.child.shims import install_import_shims
 
 install_import_shims()

@@ -6,7 +6,9 @@ import pandas as pd
 import pytest
 
 import contract_lib
-from contract_lib import cache, serverdir
+from contract_lib.runs import fingerprint
+from contract_lib.runs import cache
+from contract_lib.wire import serverdir
 
 
 def _assert_same_frames(a, b):
@@ -58,47 +60,47 @@ def test_faults_are_never_cached(private_cache):
 
 
 def test_key_changes_with_everything_that_determines_a_run(monkeypatch, tmp_path):
-    base = cache.key(_spec())
+    base = fingerprint.key(_spec())
     workload = contract_lib.load_workload("two-turn").to_dict()
     workload["requests"][0]["max_new_tokens"] += 1
-    assert cache.key(_spec(workload=workload)) != base
-    assert cache.key(_spec(loop="overlap")) != base
-    assert cache.key(_spec(patch="fix-idle-predicate")) != base
-    assert cache.key(_spec(server_args={"max_running_requests": 4})) != base
+    assert fingerprint.key(_spec(workload=workload)) != base
+    assert fingerprint.key(_spec(loop="overlap")) != base
+    assert fingerprint.key(_spec(patch="fix-idle-predicate")) != base
+    assert fingerprint.key(_spec(server_args={"max_running_requests": 4})) != base
     # an SGLang reinstall or another version
-    stamp = cache.install_stamp()
-    monkeypatch.setattr(cache, "install_stamp",
+    stamp = fingerprint.install_stamp()
+    monkeypatch.setattr(fingerprint, "install_stamp",
                         lambda: (("sglang", "0.5.24", 1),) + stamp[1:])
-    assert cache.key(_spec()) != base
+    assert fingerprint.key(_spec()) != base
     monkeypatch.undo()
-    assert cache.key(_spec()) == base
+    assert fingerprint.key(_spec()) == base
     # the contents of a folder a server arg names (SGLang reads the model's config there)
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"max_position_embeddings": 1024}')
-    named = cache.key(_spec(server_args={"model_path": str(model)}))
+    named = fingerprint.key(_spec(server_args={"model_path": str(model)}))
     (model / "config.json").write_text('{"max_position_embeddings": 20}')
-    assert cache.key(_spec(server_args={"model_path": str(model)})) != named
+    assert fingerprint.key(_spec(server_args={"model_path": str(model)})) != named
     # an environment variable SGLang reads (its server is another one too)
     server = serverdir.server_key(None)
     monkeypatch.setenv("SGLANG_IS_IN_CI", "contract-lib-test")
-    assert cache.key(_spec()) != base and serverdir.server_key(None) != server
+    assert fingerprint.key(_spec()) != base and serverdir.server_key(None) != server
     monkeypatch.undo()
     monkeypatch.setenv("IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD", "1000")  # no SGL
-    assert cache.key(_spec()) != base and serverdir.server_key(None) != server
+    assert fingerprint.key(_spec()) != base and serverdir.server_key(None) != server
     monkeypatch.undo()
     # the library's own source
-    monkeypatch.setattr(cache, "_library_fingerprint", lambda: "edited")
-    assert cache.key(_spec()) != base
+    monkeypatch.setattr(fingerprint, "_library_fingerprint", lambda: "edited")
+    assert fingerprint.key(_spec()) != base
 
 
 def test_key_changes_with_a_user_patch_module_source(monkeypatch, tmp_path):
     module = tmp_path / "my_triage_patch.py"
     module.write_text("def apply():\n    pass\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    before = cache.key(_spec(patch="my_triage_patch:apply"))
+    before = fingerprint.key(_spec(patch="my_triage_patch:apply"))
     module.write_text("def apply():\n    print('changed')\n")
-    assert cache.key(_spec(patch="my_triage_patch:apply")) != before
+    assert fingerprint.key(_spec(patch="my_triage_patch:apply")) != before
 
 
 def test_a_fork_server_dying_mid_run_is_reported_with_frames():
@@ -107,7 +109,7 @@ def test_a_fork_server_dying_mid_run_is_reported_with_frames():
     import threading
     import time
 
-    from contract_lib import pool
+    from contract_lib.runs import pool
 
     contract_lib.run("single-decode", "normal", cache=False)  # a warm, idle server
     server = pool.POOL.acquire(None).ask(("status",))  # the venv's SGLang's server

@@ -19,7 +19,10 @@ import pandas as pd
 import pytest
 
 import contract_lib
-from contract_lib import cache, installs
+from contract_lib.runs import fingerprint
+from contract_lib.sources import user_modules
+from contract_lib.runs import cache
+from contract_lib.sources import installs
 from contract_lib.cli import main
 from contract_lib.contract import check
 from contract_lib.dtypes import KINDS
@@ -83,7 +86,7 @@ def _meta(**changes) -> dict:
 PATCH_MODULE = '''
 from cf_helper_{tag} import OFFSET
 from sglang.srt.managers.scheduler import Scheduler
-from contract_lib.patches import patch_source
+from contract_lib.patches.builtin import patch_source
 
 
 def apply():
@@ -179,7 +182,7 @@ def test_a_module_beside_a_source_trees_sglang_is_a_users(tmp_path, monkeypatch)
     sglang = types.ModuleType("sglang")
     sglang.__file__ = str(package / "__init__.py")
     monkeypatch.setitem(sys.modules, "sglang", sglang)
-    roots = cache._installed_roots()
+    roots = user_modules._installed_roots()
     assert str(package.resolve()) + os.sep in roots
     assert not str(tmp_path / "python" / "reviewhelper.py").startswith(roots)
 
@@ -195,18 +198,18 @@ def test_a_module_name_is_resolved_again_without_importing(tmp_path, monkeypatch
     (tmp_path / "impl_b.py").write_text("X = 2\n")
     link = tmp_path / f"{name}.py"
     link.symlink_to("impl_a.py")
-    assert cache._module_file(name) == str((tmp_path / "impl_a.py").resolve())
+    assert user_modules.module_file(name) == str((tmp_path / "impl_a.py").resolve())
     link.unlink()
     link.symlink_to("impl_b.py")
-    assert cache._module_file(name) == str((tmp_path / "impl_b.py").resolve())
+    assert user_modules.module_file(name) == str((tmp_path / "impl_b.py").resolve())
     (tmp_path / name).mkdir()
     (tmp_path / name / "__init__.py").write_text("X = 3\n")
     import importlib
 
     importlib.invalidate_caches()
-    assert cache._module_file(name) == str((tmp_path / name / "__init__.py").resolve())
-    assert cache._module_file(f"{name}.missing") is None
-    assert cache._module_file(f"cf_nowhere_{tag}") is None
+    assert user_modules.module_file(name) == str((tmp_path / name / "__init__.py").resolve())
+    assert user_modules.module_file(f"{name}.missing") is None
+    assert user_modules.module_file(f"cf_nowhere_{tag}") is None
     assert name not in sys.modules  # nothing was imported
 
 
@@ -218,11 +221,11 @@ def test_user_modules_lists_only_files_outside_the_installed_code(tmp_path, monk
     importlib.import_module("cf_user_module")
     import pandas  # noqa: F401  (site-packages)
 
-    found, names = cache.user_modules()
+    found, names = user_modules.user_modules()
     assert str((tmp_path / "cf_user_module.py").resolve()) in found
     assert names["cf_user_module"] == str((tmp_path / "cf_user_module.py").resolve())
     assert not [path for path in found if "site-packages" in path or "/lib/python3" in path]
-    assert not set(found) & {str(path.resolve()) for path in cache.LIBRARY_FILES}
+    assert not set(found) & {str(path.resolve()) for path in fingerprint.LIBRARY_FILES}
     # The whole package is in the key; this checkout's other modules (the tests) are not.
     assert str(Path(contract_lib.__file__).resolve()) not in found
     assert str(Path(__file__).resolve()) in found
@@ -238,26 +241,26 @@ def test_a_forked_run_looks_only_at_the_modules_it_loaded(tmp_path, monkeypatch)
     for name in ("before", "after"):
         (tmp_path / f"cf_{name}_{tag}.py").write_text("X = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(cache, "_LOADED_BEFORE", ({}, {}, {}))
+    monkeypatch.setattr(user_modules, "_LOADED_BEFORE", ({}, {}, {}))
     importlib.import_module(f"cf_before_{tag}")
-    cache.remember_loaded_modules()  # the server, before its first fork
+    user_modules.remember_loaded_modules()  # the server, before its first fork
     importlib.import_module(f"cf_after_{tag}")  # the run's own import
     looked_at = []
-    real_file_hash = cache._file_hash
-    monkeypatch.setattr(cache, "_file_hash", lambda path: looked_at.append(path)
+    real_file_hash = user_modules.file_hash
+    monkeypatch.setattr(user_modules, "file_hash", lambda path: looked_at.append(path)
                         or real_file_hash(path))
-    found, _ = cache.user_modules()
+    found, _ = user_modules.user_modules()
     before, after = (str((tmp_path / f"cf_{name}_{tag}.py").resolve())
                      for name in ("before", "after"))
     assert {before, after} <= set(found)
     assert after in looked_at and before not in looked_at  # hashed by the server
     # Only the entries added since are read (the others' pages stay shared)...
-    assert [name for name, _ in cache._modules_since_fork()][:1] == [f"cf_after_{tag}"]
-    assert len(cache._modules_since_fork()) == 2  # the new one and the server's last
+    assert [name for name, _ in user_modules._modules_since_fork()][:1] == [f"cf_after_{tag}"]
+    assert len(user_modules._modules_since_fork()) == 2  # the new one and the server's last
     # ... unless the server's last entry moved to the end: then all of them.
-    last = next(reversed(cache._LOADED_BEFORE[0]))
+    last = next(reversed(user_modules._LOADED_BEFORE[0]))
     monkeypatch.setitem(sys.modules, last, sys.modules.pop(last))
-    assert after in cache.user_modules()[0]
+    assert after in user_modules.user_modules()[0]
 
 
 @pytest.mark.fast
@@ -269,7 +272,7 @@ def test_the_install_stamp_is_read_again_after_an_install(tmp_path, monkeypatch)
     monkeypatch.setattr(installs, "_read_install_stamp",
                         lambda sglang_dir: reads.append(sglang_dir) or real_read(sglang_dir))
     monkeypatch.syspath_prepend(str(tmp_path))  # a search path of its own: no memo yet
-    stamp = cache.install_stamp()
+    stamp = fingerprint.install_stamp()
     assert installs.install_stamp() == stamp and len(reads) == 1
     (tmp_path / "newdist-1.0.dist-info").mkdir()  # what pip does to a search path entry
     os.utime(tmp_path, ns=(1, 1))  # a distinct mtime however coarse the filesystem's clock
@@ -566,7 +569,7 @@ def test_a_frames_save_whose_serializer_fails_keeps_the_old_file(run_cached, tmp
 
 def test_a_trace_write_that_fails_midway_keeps_the_old_file(run_cached, tmp_path,
                                                             monkeypatch):
-    from contract_lib.trace import write_trace
+    from contract_lib.campaigns.trace import write_trace
 
     runs = [run_cached("single-decode", "normal")]
     path = write_trace(runs, tmp_path / "t.trace.json")
@@ -587,3 +590,20 @@ def test_a_cache_store_that_fails_midway_keeps_the_old_entry(private_cache, monk
     with pytest.warns(cache.CacheWarning, match="No space left"):
         cache.store("e" * 64, Frames.from_rows({}, _meta(workload="other")))
     assert entry.read_bytes() == good and _no_temporaries(private_cache)
+
+
+@pytest.mark.parametrize("loop, kwargs", [
+    ("normal", {}), ("overlap", {"audit": True}), ("mlx", {}), ("mlx", {"runner": "real"}),
+    ("mlx-normal", {}), ("disagg-prefill-overlap", {}), ("disagg-decode-normal", {})])
+def test_a_run_loads_nothing_of_the_library_outside_its_run_side(loop, kwargs):
+    """The cache key and the server fingerprint cover only ``paths.RUN_SIDE``: a module
+    of the library a run imported from elsewhere (the checker, the views) would shape
+    frames unkeyed. The run reports every module it loaded from outside the keyed and
+    installed code (``user_modules``): none may be the library's."""
+    from contract_lib.paths import PACKAGE_DIR
+
+    frames = contract_lib.run("staggered", loop, cache=False, **kwargs)
+    assert frames.status == "finished", frames.error
+    library = [path for path in frames.meta["user_modules"]
+               if Path(path).resolve().is_relative_to(PACKAGE_DIR)]
+    assert library == []

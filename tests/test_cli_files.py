@@ -3,7 +3,7 @@ path that costs the file, never the verdict."""
 
 from __future__ import annotations
 
-from contract_lib.cli import runs as cli_runs
+from contract_lib.cli import run_commands as cli_runs
 from contract_lib.cli import main
 
 

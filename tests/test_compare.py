@@ -6,11 +6,11 @@ import re
 
 import pytest
 
-from contract_lib import compare as cmp
+from contract_lib.campaigns import compare as cmp
 from contract_lib.cli import main
 from contract_lib.contract import HOLDS, MASKED, NOT_EXERCISED, VIOLATED
 from contract_lib.paths import DATA_DIR
-from contract_lib.protocol import RunSetupError
+from contract_lib.wire.protocol import RunSetupError
 
 GOOD = DATA_DIR / "diffs" / "fix-backend-state.diff"
 BAD = DATA_DIR / "diffs" / "stale-context.diff"

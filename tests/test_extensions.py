@@ -15,8 +15,8 @@ import contract_lib
 from contract_lib.cli import main
 from contract_lib.contract import HOLDS, NOT_EXERCISED, NOT_PRESENT, VIOLATED, check
 from contract_lib.contract import EXTENSIONS, RFC
-from contract_lib.patches import BUILTIN_PATCHES, bug_catalog
-from contract_lib.status import KNOWN_UPSTREAM, Status
+from contract_lib.patches.builtin import BUILTIN_PATCHES, bug_catalog
+from contract_lib.campaigns.status import KNOWN_UPSTREAM, Status
 from contract_lib.verdict import Outcome, unsupported
 
 WORKLOADS = contract_lib.workload_names()
@@ -202,7 +202,7 @@ def test_backend_state_sees_structures_bound_or_keyed_later():
     the next step."""
     from types import SimpleNamespace
 
-    from contract_lib.capture.backend_state import BackendStateRecorder
+    from contract_lib.child.capture.backend_state import BackendStateRecorder
 
     worker = SimpleNamespace(model_runner=SimpleNamespace(rows_of={}), pending=None)
     recorder = BackendStateRecorder(SimpleNamespace(tp_worker=worker))

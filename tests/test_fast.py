@@ -15,7 +15,7 @@ from conftest import saved_frames
 from contract_lib.contract import (HOLDS, MASKED, NOT_EXERCISED, VIOLATED,
                                    ContractViolation, assert_contract, check)
 from contract_lib.contract.outputs import same_tokens
-from contract_lib.status import Status
+from contract_lib.campaigns.status import Status
 from contract_lib.verdict import Outcome
 
 pytestmark = pytest.mark.fast
@@ -61,7 +61,7 @@ def test_the_extensions_find_the_known_clock_bug_on_the_torch_loops():
 def test_a_pool_leak_on_a_reference_loop_fails_status_and_shows_in_compare():
     """A leak shows as a row of the status table and fails ``status`` on a torch loop; in
     a comparison the row is on both sides, judged like a clause."""
-    from contract_lib.compare import classify
+    from contract_lib.campaigns.compare import classify
 
     frames = fixture("single-decode.overlap")
     frames.steps.loc[len(frames.steps) - 1, "pool_leak"] = True

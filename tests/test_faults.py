@@ -25,8 +25,8 @@ import psutil
 import pytest
 
 import contract_lib
-from contract_lib import pool
-from contract_lib.harness import run_many
+from contract_lib.runs import pool
+from contract_lib.runs.harness import run_many
 from contract_lib.workloads import Workload
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -252,7 +252,7 @@ def test_keyboard_interrupt_in_the_parent_kills_the_run_child():
     threading.Thread(target=interrupt_when_hung, daemon=True).start()
     with pytest.raises(KeyboardInterrupt) as caught:
         contract_lib.run("two-turn", "normal", patch=HANG, cache=False, hang_timeout=600)
-    from contract_lib.harness import RunInterrupted
+    from contract_lib.runs.harness import RunInterrupted
 
     assert runs
     assert isinstance(caught.value, RunInterrupted), repr(caught.value)
@@ -262,7 +262,7 @@ def test_keyboard_interrupt_in_the_parent_kills_the_run_child():
 
 
 def test_an_error_in_the_parent_while_collecting_kills_the_run_child(monkeypatch):
-    from contract_lib import protocol
+    from contract_lib.wire import protocol
 
     runs: list[int] = []
 
@@ -355,11 +355,11 @@ def _model_vocab() -> int:
 @pytest.mark.parametrize("runner, loop", [("model-free", "normal"), ("real", "mlx")])
 def test_token_ids_outside_the_vocabulary_are_rejected_before_any_child(
         runner, loop, monkeypatch):
-    from contract_lib import harness
+    from contract_lib.runs import harness
 
     monkeypatch.setattr(harness, "_execute", lambda *a, **k: pytest.fail("a run started"))
     if runner == "real":
-        from contract_lib.tiny_model import tiny_model_dir
+        from contract_lib.sources.tiny_model import tiny_model_dir
 
         vocab = json.loads((tiny_model_dir() / "config.json").read_text())["vocab_size"]
     else:
@@ -408,7 +408,7 @@ def test_bad_workload_files_are_one_line_usage_errors(tmp_path):
 
 
 def test_a_wrong_typed_server_arg_names_the_argument_and_the_type(monkeypatch):
-    from contract_lib.pool import Server
+    from contract_lib.runs.pool import Server
 
     started = []
     original = Server.start_run
@@ -440,7 +440,7 @@ class _Args:
 
 
 def test_server_arg_kinds_follow_the_field_annotations():
-    from contract_lib.serverargs import accepted_kinds, problems
+    from contract_lib.wire.serverargs import accepted_kinds, problems
 
     kinds = accepted_kinds(_Args)
     assert kinds == {"count": ("int", "None"), "ratio": ("float",), "flag": ("bool",),

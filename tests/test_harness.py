@@ -151,7 +151,7 @@ def test_unknown_patch_lists_builtins():
 
 
 def test_unsupported_sglang_version_fails_before_anything_runs(monkeypatch):
-    from contract_lib import versions
+    from contract_lib.sources import versions
 
     monkeypatch.setattr(versions, "installed_sglang_version", lambda: "0.4.0")
     with pytest.raises(contract_lib.UnsupportedSGLangError,

@@ -1,4 +1,4 @@
-"""The run's message journal (``contract_lib.journal``): records in order, nothing read
+"""The run's message journal (``contract_lib.wire.journal``): records in order, nothing read
 twice, a dead writer's torn record dropped, and a full journal handing over to the pipe
 without losing or reordering a message."""
 
@@ -10,7 +10,7 @@ import pickle
 import pytest
 
 import contract_lib
-from contract_lib import journal
+from contract_lib.wire import journal
 
 
 @pytest.mark.fast

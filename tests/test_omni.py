@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 import contract_lib
-from contract_lib import omni
+from contract_lib.sources import omni_release as omni
 from contract_lib.contract import HOLDS, MASKED, check
 from contract_lib.verdict import unsupported
 from contract_lib.workloads import workload_names
@@ -123,7 +123,7 @@ def test_a_failing_omni_install_is_a_clear_error(monkeypatch, tmp_path):
         return subprocess.CompletedProcess(command, 1, "", "ERROR: No matching "
                                            "distribution found for sglang-omni==0.1.9")
 
-    monkeypatch.setattr(contract_lib.versions.subprocess, "run", failing_pip)
+    monkeypatch.setattr(contract_lib.sources.versions.subprocess, "run", failing_pip)
     with pytest.raises(contract_lib.SGLangInstallError,
                        match=r"(?s)could not install sglang-omni 0\.1\.9.*network access"):
         omni.omni_path()

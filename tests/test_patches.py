@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from contract_lib.patches import (BUILTIN_PATCHES, PatchError, bug_catalog, patch_source,
+from contract_lib.patches.builtin import (BUILTIN_PATCHES, PatchError, bug_catalog, patch_source,
                                   patch_spec)
 
 

@@ -211,7 +211,7 @@ def test_triage_views_of_a_run_that_stopped_early(two_turn, saved):
 
 
 def test_audit_figure_and_table():
-    from contract_lib.audit import audit
+    from contract_lib.campaigns.audit import audit
 
     result = audit("two-turn", progress=False)
     table = views.audit_table(result)
@@ -306,7 +306,7 @@ def test_verdict_line_of_a_crashed_run(saved):
 
 
 def test_findings_beyond_the_rfc_text():
-    from contract_lib.audit import audit
+    from contract_lib.campaigns.audit import audit
 
     text = views.beyond_rfc_text(audit("two-turn", progress=False))
     assert "Scheduler.processed_tokens_counter" in text and "Req.decode_batch_idx" in text

@@ -53,7 +53,7 @@ def _ids(outcomes: dict[str, str], test: str) -> dict[str, str]:
 def test_the_plugin_module_imports_nothing_heavy():
     """pytest imports it in every session of every project where contract_lib is installed."""
     code = ("import sys, contract_lib.pytest_plugin; "
-            "print(sorted({'contract_lib.harness', 'pandas', 'numpy', 'sglang', 'torch'} "
+            "print(sorted({'contract_lib.runs.harness', 'pandas', 'numpy', 'sglang', 'torch'} "
             "& set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout

@@ -13,9 +13,9 @@ import pandas as pd
 import pytest
 
 import contract_lib
-from contract_lib import kvpool
+from contract_lib.child import kvpool
 from contract_lib.contract import check
-from contract_lib.tiny_model import (build_tiny_model, reference_outputs, tiny_model_dir,
+from contract_lib.sources.tiny_model import (build_tiny_model, reference_outputs, tiny_model_dir,
                                      weights_digest)
 
 REAL = "real"
@@ -212,7 +212,7 @@ def test_a_damaged_kv_pool_fails_the_python_check_too(run_cached):
 def test_a_refused_run_earns_no_kv_pool_verdict():
     """A run the loop refused in set-up never wrote the pool: it is not `intact`. The KV
     row of `status` counts only runs that finished (or show damage)."""
-    from contract_lib.status import releases_status
+    from contract_lib.campaigns.status import releases_status
 
     refused = contract_lib.run("page-size-4", "mlx", runner=REAL)
     assert refused.status != "finished" and kvpool.kv_verdict(refused) is None

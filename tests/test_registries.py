@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 
 import contract_lib
+from contract_lib.runs import fingerprint
 from contract_lib import loops
 from contract_lib import contract
 from contract_lib.contract import HOLDS, NOT_EXERCISED, VIOLATED, check
 from contract_lib.contract.base import NotExercised, result
 from contract_lib.contract.report import evaluate
-from contract_lib.status import Status
+from contract_lib.campaigns.status import Status
 from contract_lib.verdict import Outcome
 
 TOY = "toy-normal"
@@ -45,7 +46,7 @@ def test_a_registered_loop_runs_and_shows_in_the_status_table(toy_loop):
     status = Status({("single-decode", toy_loop): report})
     assert list(status.table().columns) == [toy_loop]
     assert toy_loop in status.text().splitlines()[0]
-    assert toy_loop not in contract_lib.status.default_loops()
+    assert toy_loop not in contract_lib.campaigns.status.default_loops()
 
 
 @pytest.mark.real_loop
@@ -156,14 +157,55 @@ def test_a_loop_name_taken_is_refused_unless_replaced():
         loops.register(real, replace=True)
 
 
-# -- the cache key covers every module --------------------------------------------------------
+# -- the cache key covers what shapes a run, and only that -------------------------------------
 
 
 @pytest.mark.fast
-def test_every_module_of_the_package_is_in_the_cache_key():
-    """A module added to the package (a new clause, loop family or frame table recorder)
-    changes the frame cache's key without being listed anywhere."""
-    from contract_lib import cache
-
+def test_every_run_side_module_is_in_the_cache_key_and_nothing_else():
+    """A module added to the run side (a new shim, a loop family's build, a frame table
+    recorder) changes the frame cache's key without being listed anywhere; the checker,
+    the views, the campaigns and the command line are not in it."""
     package = Path(contract_lib.__file__).resolve().parent
-    assert set(package.rglob("*.py")) <= {p.resolve() for p in cache.LIBRARY_FILES}
+    keyed = {p.resolve() for p in fingerprint.LIBRARY_FILES}
+    for part in ("child", "wire", "sources", "patches"):
+        assert set((package / part).rglob("*.py")) <= keyed, part
+    for part in ("contract", "views", "campaigns", "cli", "runs"):
+        assert not set((package / part).rglob("*.py")) & keyed, part
+
+
+EDITS = {"views/triage.py": False, "cli/options.py": False, "campaigns/status.py": False,
+         "contract/slots.py": False, "runs/harness.py": False,
+         "child/capture/snapshot.py": True, "wire/protocol.py": True, "frames.py": True,
+         "patches/builtin.py": True}
+
+
+@pytest.mark.fast
+def test_an_edit_reruns_only_when_it_shapes_a_run(tmp_path):
+    """The frame cache key and the warm server's fingerprint before and after a comment
+    is appended to one module, in a copy of the package: an edit to the checker, views,
+    campaigns or command line kept neither (it re-ran every cached run and restarted
+    the server); an edit to what runs in the run's process changes both."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    copy = tmp_path / "checkout"
+    root = Path(contract_lib.__file__).resolve().parent
+    shutil.copytree(root, copy / "contract_lib", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(root.parent / "data" / "model", copy / "data" / "model")
+    code = f"""
+import json
+from contract_lib.runs import fingerprint as f
+seen = {{}}
+for edited in {list(EDITS)!r}:
+    before = (f.key({{'loop': 'normal'}}), f.code_fingerprint())
+    with open('contract_lib/' + edited, 'a') as handle:
+        handle.write('# an edit\\n')
+    after = (f.key({{'loop': 'normal'}}), f.code_fingerprint())
+    seen[edited] = [a != b for a, b in zip(before, after)]
+print(json.dumps(seen))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=copy, check=True, text=True,
+                         capture_output=True, env={"PYTHONPATH": str(copy)}).stdout
+    assert json.loads(out) == {edited: [changes, changes] for edited, changes in EDITS.items()}

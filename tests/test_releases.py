@@ -13,12 +13,15 @@ import pandas as pd
 import pytest
 
 import contract_lib
-from contract_lib import cache, kvpool, versions
+from contract_lib.runs import fingerprint
+from contract_lib.runs import cache
+from contract_lib.child import kvpool
+from contract_lib.sources import versions
 from contract_lib.cli import main
 from contract_lib.contract import check
-from contract_lib.pool import child_env
-from contract_lib.status import releases_status
-from contract_lib.tiny_model import reference_outputs
+from contract_lib.runs.pool import child_env
+from contract_lib.campaigns.status import releases_status
+from contract_lib.sources.tiny_model import reference_outputs
 
 # Tier: other SGLang releases / sglang-omni, installed from the package index on first use.
 pytestmark = pytest.mark.releases
@@ -36,7 +39,7 @@ def test_unsupported_release_fails_before_anything_runs(version, monkeypatch):
         raise AssertionError("an unsupported release must not be installed")
 
     monkeypatch.setattr(versions, "install_release", no_install)
-    monkeypatch.setattr(contract_lib.harness, "_execute", no_install)
+    monkeypatch.setattr(contract_lib.runs.harness, "_execute", no_install)
     with pytest.raises(contract_lib.UnsupportedSGLangError,
                        match=rf"requested sglang: {version}.*supports sglang "
                              r"0\.5\.23, 0\.5\.22, .*, 0\.5\.15, 0\.5\.14"):
@@ -65,7 +68,7 @@ def test_older_release_is_installed_in_its_own_folder(version):
     assert env["PYTHONPATH"].split(":")[0] == str(folder)
     # The cache key reads the folder's SGLang, not the venv's.
     spec = {"workload": {}, "loop": "mlx", "sglang": version}
-    assert cache.key(spec, folder) != cache.key(spec)
+    assert fingerprint.key(spec, folder) != fingerprint.key(spec)
 
 
 def test_a_failing_install_is_a_clear_error(monkeypatch, tmp_path):

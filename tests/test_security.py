@@ -6,7 +6,7 @@ shared machine. Where the tests run as root they act as that user for real (uid 
 ``nobody``, by ``setuid`` in a forked process); elsewhere the foreign peer is simulated
 by the kernel's answer about it (``trust.peer_credentials``).
 
-The wire tests start :class:`contract_lib.server.WarmServer` itself (its listening,
+The wire tests start :class:`contract_lib.child.server.WarmServer` itself (its listening,
 reading and answering) without SGLang: nothing here imports it, so they are ``fast``.
 """
 
@@ -28,7 +28,9 @@ from pathlib import Path
 
 import pytest
 
-from contract_lib import pool, serverwire, trust
+from contract_lib import trust
+from contract_lib.runs import pool
+from contract_lib.wire import framing as serverwire
 from contract_lib.cli import main
 from contract_lib.workloads import MAX_WORKLOAD_BYTES, WorkloadError, load_workload
 
@@ -186,7 +188,7 @@ def wire_server(tmp_path):
     os.chmod(directory, 0o711)
     socket_path, log_path = directory / "s.sock", tmp_path / "server.log"
     ready_read, ready_write = os.pipe()
-    code = ("import sys; from pathlib import Path; from contract_lib.server import WarmServer; "
+    code = ("import sys; from pathlib import Path; from contract_lib.child.server import WarmServer; "
             "WarmServer(Path(sys.argv[1]), 'fp', 120.0, None, None, message_timeout=2.0)"
             ".serve(int(sys.argv[2]))")
     with open(log_path, "wb") as log:
@@ -343,7 +345,7 @@ def test_a_run_whose_server_is_gone_signals_nothing(tmp_path):
 @pytest.mark.parametrize("error", [TypeError("a bug"), MemoryError()])
 def test_a_crash_of_the_tool_exits_70_with_its_traceback_in_a_file(monkeypatch, capsys,
                                                                    error):
-    from contract_lib.cli import tools
+    from contract_lib.cli import tool_commands as tools
 
     def crash(args):
         raise error
@@ -402,8 +404,8 @@ def test_a_workload_file_of_the_wrong_kind_or_size_is_one_line(tmp_path, capsys,
 
 
 def test_a_diff_of_the_wrong_kind_is_one_line(tmp_path):
-    from contract_lib.diffs import read_diff
-    from contract_lib.trees import SourceError
+    from contract_lib.sources.diffs import read_diff
+    from contract_lib.sources.trees import SourceError
 
     with pytest.raises(SourceError, match="is a FIFO"):
         read_diff(_fifo(tmp_path))
@@ -422,7 +424,7 @@ def test_the_hang_limit_is_validated(tmp_path):
 
 @pytest.mark.skipif(not AS_ROOT, reason="needs a second uid to own the entry")
 def test_a_frame_cache_entry_of_another_user_is_never_believed(tmp_path, monkeypatch):
-    from contract_lib import cache
+    from contract_lib.runs import cache
 
     monkeypatch.setenv("CONTRACT_LIB_CACHE_DIR", str(tmp_path))
     entry = tmp_path / ("0" * 64 + ".json")
@@ -437,7 +439,7 @@ def test_a_frame_cache_entry_of_another_user_is_never_believed(tmp_path, monkeyp
 
 @pytest.mark.skipif(not AS_ROOT, reason="needs a second uid to own the folder")
 def test_an_install_folder_another_user_can_write_is_never_imported(tmp_path, monkeypatch):
-    from contract_lib import versions
+    from contract_lib.sources import versions
 
     monkeypatch.setenv(versions.RELEASES_DIR_ENV, str(tmp_path / "releases"))
     (tmp_path / "releases").mkdir()

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 import contract_lib
-from contract_lib import cache, pool
-from contract_lib.harness import run_many
+from contract_lib.runs import fingerprint
+from contract_lib.runs import cache, pool
+from contract_lib.runs.harness import run_many
 
 TESTS_DIR = Path(__file__).resolve().parent
 PROJECT_ROOT = TESTS_DIR.parent
@@ -212,8 +213,8 @@ def test_a_run_dies_with_the_process_that_asked_for_it(servers):
 def test_a_server_of_other_library_files_is_replaced(servers, monkeypatch, tmp_path):
     extra = tmp_path / "edited_module.py"
     extra.write_text("x = 1\n")
-    monkeypatch.setattr(cache, "LIBRARY_FILES", [*cache.LIBRARY_FILES, extra])
-    monkeypatch.setattr(cache, "PROJECT_ROOT", Path("/"))  # the names the digest holds
+    monkeypatch.setattr(fingerprint, "LIBRARY_FILES", [*fingerprint.LIBRARY_FILES, extra])
+    monkeypatch.setattr(fingerprint, "PROJECT_ROOT", Path("/"))  # the names the digest holds
     before = contract_lib.run("single-decode", "normal", cache=False)
     (old,) = pool.statuses(servers)
     extra.write_text("x = 2\n")  # a library file edited
@@ -225,7 +226,7 @@ def test_a_server_of_other_library_files_is_replaced(servers, monkeypatch, tmp_p
 
 
 def test_a_server_of_an_edited_source_tree_is_replaced(servers):
-    """A source tree or diff copy (contract_lib.sources) is judged by its content
+    """A source tree or diff copy (contract_lib.sources.origin) is judged by its content
     identity, which the run spec carries: an edit makes its server stale at once."""
     handle = pool.POOL.acquire(None, {"sha256": "tree before the edit"})
     handle.arg_kinds = None
@@ -350,9 +351,9 @@ def test_checking_recorded_frames_loads_none_of_the_hooks():
             "from contract_lib import Frames\n"
             "from contract_lib.contract import check\n"
             f"check(Frames.load({str(fixture)!r}))\n"
-            "print(sorted(m for m in sys.modules if m.startswith('contract_lib.capture.') "
-            "or m in ('unittest.mock', 'asyncio', 'contract_lib.kvpool')))")
+            "print(sorted(m for m in sys.modules if m.startswith('contract_lib.child.capture.') "
+            "or m in ('unittest.mock', 'asyncio', 'contract_lib.child.kvpool')))")
     done = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True,
                           text=True, check=True)
-    assert done.stdout.split() == ["['contract_lib.capture.batches',", "'contract_lib.kvpool']"], (
+    assert done.stdout.split() == ["['contract_lib.child.capture.batches',", "'contract_lib.child.kvpool']"], (
         done.stdout)

@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 
 import contract_lib
-from contract_lib import cache, sources, trees
+from contract_lib.runs import fingerprint
+from contract_lib.runs import cache
+from contract_lib.sources import origin as sources, trees
 from contract_lib.cli import main
 from contract_lib.paths import DATA_DIR
 
@@ -66,7 +68,7 @@ def test_a_diff_applies_to_a_hard_linked_scratch_copy_reused_by_digest(diffs_dir
     assert (package / untouched).stat().st_ino == (INSTALLED / untouched).stat().st_ino
     assert (package / worker).stat().st_ino != (INSTALLED / worker).stat().st_ino
     assert list(source.sglang_dir.glob("sglang-*.dist-info")), "the release's metadata"
-    assert source.version == contract_lib.versions.installed_sglang_version()
+    assert source.version == contract_lib.sources.versions.installed_sglang_version()
     assert source.label.endswith("+fix-backend-state.diff")
     marker = source.sglang_dir.parent / sources.COMPLETE
     built = marker.stat().st_mtime_ns
@@ -156,8 +158,8 @@ def test_diffs_apply_in_order_and_their_text_is_the_identity(tmp_path, diffs_dir
     other = sources.resolve(None, [edited])
     assert other.sglang_dir != first.sglang_dir and other.identity != first.identity
     spec = {"workload": "w"}
-    assert cache.key({**spec, "sglang_source": first.identity}, first.sglang_dir) != \
-        cache.key({**spec, "sglang_source": other.identity}, other.sglang_dir)
+    assert fingerprint.key({**spec, "sglang_source": first.identity}, first.sglang_dir) != \
+        fingerprint.key({**spec, "sglang_source": other.identity}, other.sglang_dir)
 
 
 def _without_prefixes(text: str) -> str:
@@ -181,7 +183,7 @@ def test_a_diff_without_path_prefixes_applies(tmp_path, diffs_dir):
 def test_a_diff_git_applies_to_nothing_is_refused(tmp_path, diffs_dir):
     """Whatever makes git apply skip a file and succeed (here a wrong strip level), a
     file of the diff left unchanged is an error, not a pass on unchanged SGLang."""
-    from contract_lib import diffs
+    from contract_lib.sources import diffs
 
     bare = tmp_path / "bare.diff"
     bare.write_text(_without_prefixes(GOOD.read_text()))
@@ -207,7 +209,7 @@ def test_a_second_diff_that_does_not_apply_names_what_it_met(tmp_path, diffs_dir
 def test_a_diff_to_code_the_model_free_runner_stands_in_for_is_noted(tmp_path):
     """A diff to the MLX MlxModelRunner changes nothing a model-free mlx run executes:
     compare said "kept" with no hint; it is noted (use --runner real)."""
-    from contract_lib.diffs import model_free_notes
+    from contract_lib.sources.diffs import model_free_notes
 
     runner = tmp_path / "runner.diff"
     runner.write_text("--- a/python/sglang/srt/hardware_backend/mlx/model_runner.py\n"
@@ -245,7 +247,7 @@ def test_a_checkout_is_accepted_at_its_root_or_python_folder(checkout):
     assert by_root == by_python
     assert by_root.sglang_dir == (checkout / "python").resolve()
     assert by_root.version is None  # a tree's metadata may be the venv's: not checked
-    assert by_root.label.startswith(f"{contract_lib.versions.installed_sglang_version()} "
+    assert by_root.label.startswith(f"{contract_lib.sources.versions.installed_sglang_version()} "
                                     "(tree ")
 
 
@@ -294,7 +296,7 @@ def test_cli_check_on_a_checkout_with_a_diff(checkout, capsys, diffs_dir):
 
 def test_cli_status_of_a_release_and_a_checkout_with_a_diff_side_by_side(checkout, capsys,
                                                                          diffs_dir):
-    version = contract_lib.versions.installed_sglang_version()
+    version = contract_lib.sources.versions.installed_sglang_version()
     code = main(["status", "--sglang", version, "--sglang", str(checkout), "--loop", "mlx",
                  "--workload", "two-turn", "--diff", str(GOOD)])
     lines = capsys.readouterr().out.splitlines()

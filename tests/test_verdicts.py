@@ -13,7 +13,7 @@ import contract_lib
 from contract_lib.cli import main
 from contract_lib.contract import (HOLDS, VIOLATED, RunDidNotFinish, VacuousRun,
                                    assert_contract, check)
-from contract_lib.status import status
+from contract_lib.campaigns.status import status
 from contract_lib.verdict import Outcome
 
 TESTS = Path(__file__).resolve().parent
@@ -338,8 +338,8 @@ def test_an_argument_that_turns_overlap_off_indirectly_is_named():
     (e.g. speculative decoding, the MPS backend): the one whose removal restores the
     loop is named. A stand-in ServerArgs with such a hook:"""
     from contract_lib import loops
-    from contract_lib.protocol import LoopMismatch
-    from contract_lib.refusals import check_loop_args
+    from contract_lib.wire.protocol import LoopMismatch
+    from contract_lib.child.refusals import check_loop_args
 
     class Args:
         def __init__(self, **kwargs):
@@ -415,7 +415,7 @@ def test_writes_are_attributed_to_the_row_holder_even_when_values_repeat():
     new holder's write makes it its own, whatever the value."""
     import torch
 
-    from contract_lib.capture import Recorder
+    from contract_lib.child.capture import Recorder
 
     class Kv:
         def __init__(self, row):
@@ -444,7 +444,7 @@ def test_numpy_view_follows_a_rebound_or_resized_tensor():
     storage (torch refuses ``resize_`` while a numpy view of the storage exists)."""
     import torch
 
-    from contract_lib.capture.batches import NumpyView
+    from contract_lib.child.capture.batches import NumpyView
 
     view, table = NumpyView(), torch.zeros((2, 4), dtype=torch.int32)
     assert view.of(table) is view.of(table)  # cached while nothing changed

@@ -44,7 +44,7 @@ def hang_in_loop():
 
 def stale_forward_iter():
     """A suspected change a triager might try: stamp forward_iter before the advance."""
-    from contract_lib.patches import patch_source
+    from contract_lib.patches.builtin import patch_source
 
     patch_source(Scheduler, "run_batch", [
         ("batch.forward_iter = self.forward_ct\n",
@@ -182,7 +182,7 @@ def relay_overwritten_after_stash():
 
 def _restamp_launch_ts(stamp: str, name: str) -> None:
     """``run_batch`` stamps ``launch_ts`` with ``stamp`` instead of ``time.monotonic()``."""
-    from contract_lib.patches import patch_source
+    from contract_lib.patches.builtin import patch_source
 
     patch_source(Scheduler, "run_batch", [
         ("batch.launch_ts = time.monotonic()\n", f"batch.launch_ts = {stamp}\n")], name)
@@ -202,7 +202,7 @@ def wall_clock_launch_ts():
 def in_flight_elsewhere():
     """The overlap loop keeps its launched, unprocessed batches in a queue of its own, not
     in ``result_queue`` (which ``is_fully_idle``'s in-flight term reads)."""
-    from contract_lib.patches import patch_source
+    from contract_lib.patches.builtin import patch_source
 
     patch_source(Scheduler, "event_loop_overlap", [
         ("self.result_queue: Deque[", "self._held_results: Deque["),
@@ -231,7 +231,7 @@ def swap_decode_slots():
     """A decode batch's new slots are recorded in reversed request order: each row gets
     another request's slot, while the forward writes each request's KV to its own."""
     from sglang.srt.mem_cache import allocation
-    from contract_lib.patches import patch_source
+    from contract_lib.patches.builtin import patch_source
 
     patch_source(allocation, "alloc_for_decode_default", [
         ("(batch.req_pool_indices, locs), out_cache_loc.to(torch.int32)",
@@ -272,7 +272,7 @@ def launch_ts_at_processing():
     """The overlap loop stamps each batch again just before its result is processed:
     increasing, on the loop's clock, but not the time of its launch."""
     from sglang.srt.managers.scheduler import Scheduler
-    from contract_lib.patches import patch_source
+    from contract_lib.patches.builtin import patch_source
 
     patch_source(Scheduler, "event_loop_overlap", [
         ("            self.process_batch_result(tmp_batch, tmp_result)\n",
@@ -360,7 +360,7 @@ def idle_in_flight_term_only_by_default():
     (``for_health_check``) and the flush (``ignore_waiting``) are told idle while a job
     is in ``result_queue``."""
     from sglang.srt.managers.scheduler import Scheduler
-    from contract_lib.patches import patch_source
+    from contract_lib.patches.builtin import patch_source
 
     patch_source(Scheduler, "is_fully_idle", [
         ("(not self.enable_overlap or len(self.result_queue) == 0)",
@@ -374,7 +374,7 @@ def idle_flag_of_one_caller():
     plain call, the health check and the flush still hear busy."""
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.managers.scheduler_components import weight_updater
-    from contract_lib.patches import patch_source
+    from contract_lib.patches.builtin import patch_source
 
     patch_source(Scheduler, "is_fully_idle", [
         ("def is_fully_idle(self, for_health_check=False, ignore_waiting=False) -> bool:\n",
@@ -436,7 +436,7 @@ def radix_keys_skip_first_output():
     so a later turn matches only the prompt and prefills the rest again."""
     from sglang.srt.mem_cache.radix_cache import RadixCache
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-    from contract_lib.patches import patch_source
+    from contract_lib.patches.builtin import patch_source
 
     for cls, name in ((RadixCache, "checkpoint"), (UnifiedRadixCache, "checkpoint_into_tree")):
         patch_source(cls, name, [
@@ -450,7 +450,7 @@ def mlx_prefill_ids_from_the_first_lane():
     without advancing past the lanes before it: every request of a multi-request extend
     batch is fed the first request's prompt (its slots, lengths and counters right)."""
     from sglang.srt.hardware_backend.mlx.tp_worker import MlxTpModelWorker
-    from contract_lib.patches import patch_source
+    from contract_lib.patches.builtin import patch_source
 
     patch_source(MlxTpModelWorker, "_async_extend_batch", [
         ("req_token_ids = input_ids_cpu[offset : offset + seq_len]\n",
@@ -462,7 +462,7 @@ def retraction_recounts_the_cache_hit():
     """SGLang #11900 reintroduced: a retracted request's re-prefill adds its radix hit
     to ``cached_tokens`` again (users saw more cached tokens than the prompt had)."""
     from sglang.srt.managers.schedule_batch import ScheduleBatch
-    from contract_lib.patches import patch_source
+    from contract_lib.patches.builtin import patch_source
 
     patch_source(ScheduleBatch, "prepare_for_extend", [
         ("            if not req.retracted_stain:\n",
@@ -474,7 +474,7 @@ def chunks_counted_as_cache_hits():
     """SGLang #2555 reintroduced: each later prefill chunk counts the request's own
     earlier chunks as cached tokens (the cache hit rate of chunked prompts inflated)."""
     from sglang.srt.managers.schedule_batch import ScheduleBatch
-    from contract_lib.patches import patch_source
+    from contract_lib.patches.builtin import patch_source
 
     patch_source(ScheduleBatch, "prepare_for_extend", [
         ("                new_cached = pre_len - req.already_computed\n",
@@ -486,7 +486,7 @@ def cache_hit_counted_one_high():
     """A radix hit counted one token high (``cached_tokens`` = matched + 1 when anything
     matched): within the prompt, counted once, above the reuse the tree allowed."""
     from sglang.srt.managers.schedule_batch import ScheduleBatch
-    from contract_lib.patches import patch_source
+    from contract_lib.patches.builtin import patch_source
 
     patch_source(ScheduleBatch, "prepare_for_extend", [
         ("                new_cached = pre_len - req.already_computed\n",
@@ -499,7 +499,7 @@ def length_before_stop():
     stop token and EOS, so a stop landing as the last allowed token ends the request by
     length and is not trimmed (the client gets the EOS)."""
     from sglang.srt.managers.schedule_batch import Req
-    from contract_lib.patches import patch_source
+    from contract_lib.patches.builtin import patch_source
 
     patch_source(Req, "update_finish_state", [(
         "        new_accepted_tokens = self.output_ids[-new_accepted_len:]\n",
@@ -518,7 +518,7 @@ def middle_chunk_not_counted():
     more chunks a middle chunk's result is processed as the last prefill (a token from
     half a prompt)."""
     from sglang.srt.managers.scheduler import Scheduler
-    from contract_lib.patches import patch_source
+    from contract_lib.patches.builtin import patch_source
 
     patch_source(Scheduler, "_get_new_batch_prefill_raw", [(
         "self.chunked_req.inflight_middle_chunks += 1",
@@ -531,7 +531,7 @@ def mlx_release_skips_the_sync():
     the runner's release sync, so its decode KV never reaches the pool, and a later
     radix hit reads positions nothing wrote (the real runner's outputs change)."""
     from sglang.srt.hardware_backend.mlx.tp_worker import MlxTpModelWorker
-    from contract_lib.patches import patch_source
+    from contract_lib.patches.builtin import patch_source
 
     patch_source(MlxTpModelWorker, "prepare_for_kv_cache_release", [
         ("self._mlx_runner.release_request_row(req.rid, req.owned_kv_len())", "pass")],
@@ -551,7 +551,7 @@ def radix_match_one_token_long():
     not ``lo``): a prompt that diverges from a cached one is served the KV the other
     request computed for its own token at that position."""
     from sglang.srt.mem_cache import radix_cache
-    from contract_lib.patches import patch_source
+    from contract_lib.patches.builtin import patch_source
 
     _python_tree_core()
     patch_source(radix_cache.RadixKey, "match_at", [
@@ -563,7 +563,7 @@ def radix_match_page_ceil():
     """A paged radix match rounds the matched length up to whole pages: a page that only
     partly matches is served from the tree, its tail the other prompt's KV."""
     from sglang.srt.mem_cache import radix_cache
-    from contract_lib.patches import patch_source
+    from contract_lib.patches.builtin import patch_source
 
     _python_tree_core()
     patch_source(radix_cache.RadixKey, "match_at", [
@@ -622,7 +622,7 @@ def stale_rids_kept_by_the_runner():
     left the batch keep their runner caches (clause 7, already violated on the MLX loop,
     gets worse)."""
     from sglang.srt.hardware_backend.mlx.tp_worker import MlxTpModelWorker
-    from contract_lib.patches import patch_source
+    from contract_lib.patches.builtin import patch_source
 
     patch_source(MlxTpModelWorker, "_cleanup_stale_rids", [
         ("self._mlx_runner.remove_request(rid)\n", "pass\n")], "stale-rids-kept")
@@ -742,7 +742,7 @@ def stop_check_one_late():
     """The stop-token check reads the token before the newest (an off-by-one slice): a
     stop ends its request one step late, with one token more than the client asked."""
     from sglang.srt.managers.schedule_batch import Req
-    from contract_lib.patches import patch_source
+    from contract_lib.patches.builtin import patch_source
 
     patch_source(Req, "update_finish_state", [
         ("new_accepted_tokens = self.output_ids[-new_accepted_len:]\n",
@@ -755,7 +755,7 @@ def abort_keeps_queued():
     queue (``waiting_queue[i]``, not ``pop(i)``): it is served anyway, for a client told
     it was aborted."""
     from sglang.srt.managers.scheduler import Scheduler
-    from contract_lib.patches import patch_source
+    from contract_lib.patches.builtin import patch_source
 
     patch_source(Scheduler, "abort_request", [
         ("req = self.waiting_queue.pop(i)\n", "req = self.waiting_queue[i]\n")],
@@ -789,7 +789,7 @@ def release_keeps_the_tree_lock():
     import sys
 
     from sglang.srt.mem_cache import common
-    from contract_lib.patches import patch_source
+    from contract_lib.patches.builtin import patch_source
 
     original = common.release_kv_cache
     patch_source(common, "release_kv_cache", [("tree_cache.unlock(req.lock)\n", "pass\n")],
@@ -805,7 +805,7 @@ def evict_the_whole_need():
     allocation (``num_tokens``), not its shortfall past what is free: cached prefixes are
     thrown away under memory pressure for nothing."""
     from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
-    from contract_lib.patches import patch_source
+    from contract_lib.patches.builtin import patch_source
 
     patch_source(BaseTokenToKVPoolAllocator, "evict_to_free_tokens", [
         ("tree_cache.evict_for_alloc(EvictParams(num_tokens=shortfall))\n",
@@ -817,7 +817,7 @@ def evict_without_shortfall():
     """The allocator's shortfall forgets what is free (``shortfall = num_tokens``): every
     allocation evicts cached prefixes, even with the pool nearly empty."""
     from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
-    from contract_lib.patches import patch_source
+    from contract_lib.patches.builtin import patch_source
 
     patch_source(BaseTokenToKVPoolAllocator, "evict_to_free_tokens", [
         ("shortfall = num_tokens - self.available_size()\n", "shortfall = num_tokens\n")],
@@ -829,7 +829,7 @@ def retraction_not_counted():
     ``num_retractions`` reads 0, and the MLX worker's ``_drop_state_if_retracted`` (keyed
     on the count) no longer sees it."""
     from sglang.srt.managers.schedule_batch import Req
-    from contract_lib.patches import patch_source
+    from contract_lib.patches.builtin import patch_source
 
     patch_source(Req, "reset_for_retract", [("self.retraction_count += 1\n", "pass\n")],
                  "retraction-not-counted")
@@ -841,7 +841,7 @@ def one_token_chunk_as_decode():
     token runs as a decode lane, and the runner is fed its own stale prediction from the
     previous chunk instead of the prompt's last token (every later token is wrong)."""
     from sglang.srt.hardware_backend.mlx.tp_worker import MlxTpModelWorker
-    from contract_lib.patches import patch_source
+    from contract_lib.patches.builtin import patch_source
 
     patch_source(MlxTpModelWorker, "_async_extend_batch", [
         ("route = self._route_extend_request(req.rid, decoding_rids)\n",
@@ -882,7 +882,7 @@ def prebuilt_skips_the_relay_stash():
     from sglang.srt.disaggregation.decode_schedule_batch_mixin import (
         ScheduleBatchDisaggregationDecodeMixin)
 
-    from contract_lib.patches import patch_source
+    from contract_lib.patches.builtin import patch_source
 
     patch_source(ScheduleBatchDisaggregationDecodeMixin, "process_prebuilt", [(
         "future_map.stash(\n"
@@ -896,7 +896,7 @@ def prebuilt_seq_lens_one_high():
     from sglang.srt.disaggregation.decode_schedule_batch_mixin import (
         ScheduleBatchDisaggregationDecodeMixin)
 
-    from contract_lib.patches import patch_source
+    from contract_lib.patches.builtin import patch_source
 
     patch_source(ScheduleBatchDisaggregationDecodeMixin, "prepare_for_prebuilt", [(
         "seq_len = len(req.origin_input_ids) + max(0, len(req.output_ids) - 1)\n",
@@ -906,7 +906,7 @@ def prebuilt_seq_lens_one_high():
 
 def idle_ignores_the_prealloc_queue():
     """``is_fully_idle`` forgets the decode side's preallocation queue."""
-    from contract_lib.patches import patch_source
+    from contract_lib.patches.builtin import patch_source
 
     patch_source(Scheduler, "is_fully_idle", [(
         "idle &= len(self.disagg_decode_prealloc_queue.queue) == 0\n", "")],

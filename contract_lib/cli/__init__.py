@@ -3,10 +3,10 @@
 ``--runner {model-free,real}`` chooses the MLX runner of ``run``, ``check`` and ``status``;
 ``--sglang VERSION|PATH`` the SGLang of those and of ``trace``, ``audit`` and ``search`` (a
 release, or a source tree), and ``--diff FILE`` applies upstream diffs to it
-(:mod:`contract_lib.sources`); ``status`` takes ``--sglang``
+(:mod:`contract_lib.sources.origin`); ``status`` takes ``--sglang``
 several times to print the tables side by side. ``compare`` runs the same workloads
-through a base and a head SGLang (:mod:`contract_lib.compare`). ``server status|stop``
-shows or stops the warm servers runs fork from (:mod:`contract_lib.pool`).
+through a base and a head SGLang (:mod:`contract_lib.campaigns.compare`). ``server status|stop``
+shows or stops the warm servers runs fork from (:mod:`contract_lib.runs.pool`).
 
 Exit codes (one per outcome, :mod:`contract_lib.verdict`): 0 pass, 1 a clause violated
 (or the MLX KV pool damaged), 2 a usage or set-up error (unknown name, unsupported SGLang,
@@ -28,7 +28,7 @@ import tempfile
 import threading
 import traceback
 
-from contract_lib.cli import runs, tables, tools
+from contract_lib.cli import run_commands as runs, table_commands as tables, tool_commands as tools
 from contract_lib.cli.options import (EXIT_INTERRUPTED, EXIT_SOFTWARE, EXIT_TERMINATED,
                                       USAGE_ERRORS, server_arg)
 

@@ -16,7 +16,7 @@ from contract_lib.contract.base import first_step_showing
 from contract_lib import loops
 from contract_lib.loops import PREFILL
 from contract_lib.frames import Frames
-from contract_lib.shims.model import next_token
+from contract_lib.child.shims.model import next_token
 
 COLUMNS = ["rid", "index", "step", "expected", "actual"]
 

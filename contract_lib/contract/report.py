@@ -76,7 +76,7 @@ class Report:
     # Per request, its first token that is not the fake model's (:mod:`.outputs`).
     wrong_outputs: pd.DataFrame = dataclasses.field(
         default_factory=lambda: pd.DataFrame(columns=OUTPUT_COLUMNS))
-    # A finished MLX run damaged the KV pool, either runner's (:mod:`contract_lib.kvpool`).
+    # A finished MLX run damaged the KV pool, either runner's (:mod:`contract_lib.child.kvpool`).
     kv_damaged: bool = False
     # Clause -> the catalogued upstream bugs that explain each of its violations exactly
     # (:mod:`.known`), and the catalogued bugs this run no longer reproduces.
@@ -325,7 +325,7 @@ def _kv_damaged(frames: Frames) -> bool:
     pool: so does :attr:`Report.ok`)."""
     if frames.status != "finished":
         return False
-    from contract_lib import kvpool
+    from contract_lib.child import kvpool
 
     return kvpool.damaged(frames)
 

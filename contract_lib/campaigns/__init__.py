@@ -1,0 +1,1 @@
+"""Many runs at once: status, audit, compare, search, traces."""

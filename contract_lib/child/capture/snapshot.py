@@ -1,0 +1,172 @@
+"""The step-boundary frame: one ``steps`` row, a ``requests`` row per request, the live
+rows' ``req_to_token`` entries, and the backend's per-request state, sent as one message."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+from typing import Any
+
+from contract_lib.child.capture.batches import free_slot_mask, mode_name
+from contract_lib.sources.compat import EmptyBatch, req_kv, uncached_sizes
+
+
+class StepSnapshot:
+    """The snapshot part of :class:`~contract_lib.child.capture.recorder.Recorder` (its state is
+    set in ``Recorder.__init__``)."""
+
+    def snapshot(self) -> None:
+        s, step = self.s, self.step
+        running, last = s.running_batch, s.last_batch
+        rows: list[tuple[str, tuple]] = []
+        # Rows are tuples in the tables' column order (``frames.COLUMNS``).
+        rows.append(("steps", (
+            step, self.loop, s.forward_ct, self._in_flight(), bool(s.is_fully_idle()),
+            self._idle_probe(), self._overlaps(), bool(s.enable_overlap_mlx),
+            0 if running is None else len(running.reqs), mode_name(running),
+            mode_name(last), len(s.waiting_queue), *self._pool_terms(), *self._row_terms(),
+            time.monotonic(), getattr(s, "processed_tokens_counter", None),
+            self._disagg_queued())))
+        seq_lens = self._seq_lens(running, last)
+        rtt = self.req_to_token_view.of(s.req_to_token_pool.req_to_token)  # sliced in numpy
+        free = None  # the free-slot mask, taken at the first live row
+        slot_rows = []
+        for index, (rid, req) in enumerate(self.reqs.items()):
+            kv = req_kv(req)
+            row = kv.req_pool_idx
+            ended = self.ended(req)
+            reason = (req.finished_reason.to_json() if req.finished_reason
+                      else self.abort_outputs.get(rid, {}))
+            rows.append(("requests", (
+                step, rid, len(req.origin_input_ids), len(req.output_ids), ended, row,
+                seq_lens.get(id(req)), self.kv_computed.get(rid), kv.kv_committed_len,
+                kv.kv_allocated_len, kv.cache_protected_len, req.cached_tokens,
+                reason.get("type"), reason.get("message"), req.retraction_count,
+                getattr(req, "decode_batch_idx", None), self.kv_prefilled.get(rid),
+                req.sampling_params.max_new_tokens,
+                matched if type(matched := reason.get("matched")) is int else None)))
+            if row is None or ended:
+                continue
+            if free is None:
+                free = free_slot_mask(s.token_to_kv_pool_allocator)
+            width = max(self.kv_computed.get(rid, 0), kv.kv_allocated_len)
+            entries = rtt[row, :width]
+            written = (self.written_by[row, :width] == index).tolist()
+            slot_rows.append((step, rid, row, entries.tolist(), free[entries].tolist(),
+                              written))
+        rows += [("backend_state", row) for row in self.backend.rows(step, self.reqs)]
+        # One message: the step's frame, taken together (slots column-wise, expanded by
+        # the parent into one row per position).
+        self.emit(("rows", rows, slot_rows))
+
+    def _idle_probe(self) -> bool:
+        """``is_fully_idle`` with every term but the in-flight ones masked to idle, as each
+        of its callers may ask (no arguments; each of its flags, such as the health
+        check's ``for_health_check`` or the flush's ``ignore_waiting``, alone; all of
+        them together): True when any of them says idle. The flags are tried only when
+        the plain call says busy (work in flight). A PD-disaggregation loop's queues
+        are asked about alone (and the overlap loop's ``result_queue`` alone), so one
+        term cannot answer for the other; the health check is asked about those queues
+        only for a decode side's retracted requests: SGLang leaves the others out of it
+        by design (``managers/scheduler.py:5338-5342``, :5369), not those (:5361-5367)."""
+        s = self.s
+        everyone, queued, in_flight = self.idle_arguments, self._disagg_queued(), self._in_flight()
+        queue_callers = everyone if self._retracted_parked() else [
+            a for a in everyone if not a.get("for_health_check")]
+        saved = (s.running_batch, s.last_batch, s.chunked_req, s.waiting_queue)
+        try:
+            s.running_batch = EmptyBatch()
+            s.last_batch, s.chunked_req, s.waiting_queue = None, None, []
+            if not queued:
+                return self._says_idle(everyone)
+            if not in_flight:
+                return self._says_idle(queue_callers)
+            with self.masked_disagg_queues():
+                queue_alone = self._says_idle(everyone)
+            with self._masked_result_queue():
+                return queue_alone or self._says_idle(queue_callers)
+        finally:
+            s.running_batch, s.last_batch, s.chunked_req, s.waiting_queue = saved
+
+    def _says_idle(self, arguments: list[dict[str, bool]]) -> bool:
+        """Whether ``is_fully_idle`` says idle plainly or with any of ``arguments``."""
+        s = self.s
+        return bool(s.is_fully_idle()) or any(bool(s.is_fully_idle(**a)) for a in arguments)
+
+    @contextlib.contextmanager
+    def _masked_result_queue(self):
+        """The overlap loop's ``result_queue`` emptied for the time of a probe."""
+        saved = self.s.result_queue
+        self.s.result_queue = collections.deque()
+        try:
+            yield
+        finally:
+            self.s.result_queue = saved
+
+    def find_idle_arguments(self) -> None:
+        """Set ``idle_arguments``: the ways to call ``is_fully_idle`` other than plainly,
+        read off its signature, not assumed: each flag (a parameter with a bool default)
+        set to the other value alone, then all of them so set (a release or a patch may
+        add a flag only one caller passes)."""
+        import inspect
+
+        parameters = inspect.signature(self.s.is_fully_idle).parameters.values()
+        flags = {p.name: not p.default for p in parameters if isinstance(p.default, bool)
+                 and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        self.idle_arguments = [{name: value} for name, value in flags.items()]
+        if len(flags) > 1:
+            self.idle_arguments.append(flags)
+
+    def _pool_terms(self) -> tuple[int, int, int, int, int, bool]:
+        """SGLang's own KV pool conservation terms (``InvariantChecker``), and its verdict:
+        ``kv_total``, ``kv_available``, ``kv_evictable``, ``kv_protected``,
+        ``kv_uncached``, ``pool_leak``; on a PD-disaggregation loop ``kv_uncached``
+        also holds the KV of requests parked in its queues (:meth:`disagg_parked_kv`)."""
+        checker = self.invariant_checker
+        stats = checker.pool_stats_observer.get_pool_stats()
+        uncached = uncached_sizes(checker) + self.disagg_parked_kv()
+        leak, _message = checker._check_full_pool(stats, uncached=uncached)
+        return (int(self.s.max_total_num_tokens), int(stats.full_available_size),
+                int(stats.full_evictable_size), int(self.s.tree_cache.protected_size()),
+                int(uncached), bool(leak))
+
+    def _row_terms(self) -> tuple[int, int]:
+        """SGLang's own ``req_to_token`` row counts, as its idle check
+        (``_check_req_pool``) reads them: ``rows_free`` (free rows, plus rows sessions
+        hold) and ``rows_total`` (the pool's rows, pre-allocation headroom included)."""
+        pool, checker = self.s.req_to_token_pool, self.invariant_checker
+        sessions = getattr(checker.pool_stats_observer, "session_held_req_count", None)
+        return (len(pool.free_slots) + (sessions() if sessions else 0),
+                int(pool.size + getattr(pool, "pre_alloc_size", 0)))
+
+    def find_invariant_checker(self) -> None:
+        """Set ``invariant_checker``: SGLang's ``SchedulerInvariantChecker``, the
+        scheduler's own or, where the loop builds none (``omni``), one SGLang's
+        ``init_invariant_checker`` builds over the scheduler's pools for the frames only:
+        the attribute it sets is taken back at once, so nothing in the loop reads it,
+        and the checker's getters read the scheduler directly at every step. Done once,
+        when the hooks go in: sglang-omni answers a missing attribute by raising inside
+        its ``__getattr__`` (~5 µs), and the build is set-up work, not the step's."""
+        checker = getattr(self.s, "invariant_checker", None)
+        if checker is None:
+            from sglang.srt.managers.scheduler import Scheduler
+
+            Scheduler.init_invariant_checker(self.s)
+            checker = self.s.invariant_checker
+            del self.s.invariant_checker
+        self.invariant_checker = checker
+
+    @staticmethod
+    def _seq_lens(running, last) -> dict[int, int]:
+        """``id(req)`` -> its ``seq_lens`` entry in the running batch, else in the last
+        batch (requests in neither are absent)."""
+        found: dict[int, int] = {}
+        # After a decode step the running batch is the last batch: read it once.
+        for batch in (running,) if last is running else (running, last):
+            if batch is None or batch.is_empty() or batch.seq_lens is None:
+                continue
+            for req, seq_len in zip(batch.reqs, batch.seq_lens.tolist()):
+                found.setdefault(id(req), seq_len)  # the first entry wins
+        return found
+

@@ -1,0 +1,1 @@
+"""Patches of SGLang's code: the built-in ones and patching by exact snippets."""

@@ -1,0 +1,1 @@
+"""The parent: running a workload, the warm-server client, the frame cache."""

@@ -1,0 +1,1 @@
+"""Which SGLang a run imports: releases, source trees, diffs, per-release compat."""

@@ -1,0 +1,1 @@
+"""What the parent and the run's process say to each other."""
