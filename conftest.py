@@ -10,7 +10,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from contract_lib.runs import pool
+from contract_lib.runs import pool, servers
 
 _saved: dict[str, str | None] = {}
 _prestarts: list = []
@@ -36,7 +36,7 @@ def pytest_unconfigure(config):
     directory = Path(os.environ[pool.SERVER_DIR_ENV])
     for thread in _prestarts:  # a server still starting would be missed by stop_all
         thread.join()
-    pool.stop_all(directory)
+    servers.stop_all(directory)
     shutil.rmtree(directory, ignore_errors=True)
     if _saved.get(pool.SERVER_DIR_ENV) is None:
         os.environ.pop(pool.SERVER_DIR_ENV, None)

@@ -34,6 +34,7 @@ import pandas as pd
 
 import contract_lib
 from contract_lib.runs import pool
+from contract_lib.runs import servers
 from contract_lib.contract import check
 from contract_lib.frames import Frames
 
@@ -176,7 +177,7 @@ def edit_check(repeat: int) -> list[dict]:
             cached = [_cli_seconds(args, env) for _ in range(repeat)]
             cold = [edited({pool.SERVER_SWITCH_ENV: "off"}) for _ in range(max(2, repeat // 2))]
         finally:
-            pool.stop_all(folder / "servers")
+            servers.stop_all(folder / "servers")
     warm_s, cached_s, cold_s = map(statistics.median, (warm, cached, cold))
     rows.append({"measure": "`check` after editing a user patch, command line, warm server",
                  "value": warm_s, "unit": "s"})
@@ -206,7 +207,7 @@ def concurrent_memory(runs: int = 8) -> list[dict]:
         def sample():
             while not done.wait(0.05):
                 total = 0
-                for status in pool.statuses(Path(directory)):
+                for status in servers.statuses(Path(directory)):
                     try:
                         server = psutil.Process(status["pid"])
                         for process in [server, *server.children()]:
@@ -223,9 +224,9 @@ def concurrent_memory(runs: int = 8) -> list[dict]:
                                workers=runs, progress=False)
             done.set()
             sampler.join()
-            servers = pool.statuses(Path(directory))
+            servers = servers.statuses(Path(directory))
         finally:
-            pool.stop_all(Path(directory))
+            servers.stop_all(Path(directory))
             if saved is None:
                 del os.environ[pool.SERVER_DIR_ENV]
             else:
@@ -373,7 +374,7 @@ def main() -> None:
                              "capture": (args.pairs,)}.get(name, (args.repeat,))
                 rows += section(*arguments)
         finally:
-            pool.stop_all(Path(directory))
+            servers.stop_all(Path(directory))
     table = render(rows)
     print(machine())
     print(table)

@@ -135,6 +135,10 @@ COLUMNS: dict[str, list[str]] = {
     "prebuilt": ["step", "rid", "kv_computed", "token", "transfer"],
 }
 
+# The ``kv_pool`` table's verdicts: a radix-matched slot's KV as computed (``ok``), never
+# written (``zero``) or another's (``wrong``).
+KV_VERDICTS = ("ok", "zero", "wrong")
+
 WALL_CLOCK_COLUMNS: dict[str, list[str]] = {
     "steps": ["wall_time"],
     "launches": ["launch_ts", "processed_launch_ts"],

@@ -131,7 +131,7 @@ def loop_mismatch(meta: dict) -> str | None:
 def verdict(report: Any, kv_damaged: bool = False) -> Verdict:
     """The verdict on one checked run (``report``: a :class:`contract_lib.contract.Report`,
     not imported: the contract imports this module; ``kv_damaged``: the real runner damaged the MLX KV
-    pool, see :func:`contract_lib.child.kvpool.damaged`). Its reason ends with the clauses'
+    pool, see :func:`contract_lib.contract.kv_damage.damaged`). Its reason ends with the clauses'
     fields the run's SGLang does not have, if any (no violation: nothing reads them)."""
     found = _verdict(report, kv_damaged)
     absent = [f"{name} (clause {number})" for number, r in report.clauses.items()

@@ -1,65 +1,8 @@
 """Declarative workloads: which requests arrive at which loop iteration, with what prompt.
 
-A workload is a TOML file under ``data/workloads/``::
-
-    name = "two-turn"
-    description = "..."
-    max_steps = 120                # step budget; past it the run ends with status "timeout"
-    max_seconds = 60               # optional hang limit [300]: seconds without a sign of
-                                   # progress from the run before it is stopped ("timeout")
-
-    [server_args]                  # optional ServerArgs overrides for this workload
-    chunked_prefill_size = 32
-
-    [[requests]]
-    rid = "a"
-    prompt_range = [20, 36]        # token ids 20..35 (or: prompt = [20, 21, ...])
-    max_new_tokens = 12
-    arrival = 0                    # loop iteration (step) at which it is fed in
-
-    [[requests]]
-    rid = "a2"
-    turn_of = "a"                  # a later turn: a's prompt + a's output + prompt below
-    prompt = [90, 91, 92]
-    max_new_tokens = 4
-    arrival = 20                   # earliest step; held until "a" has finished
-
-Optional request fields, for what bug reports say (defaults in brackets):
-
-    stop_token_ids = [7]           # SamplingParams.stop_token_ids [none]: a request
-                                   # finishes ("stop") when it emits one of them
-    emit = { 3 = 7 }               # the model-free forward emits token 7 as output
-                                   # token 3 (0-based) of this request [none]; how a stop
-                                   # token or the model's EOS (id 2) is made to appear
-    ignore_eos = true              # SamplingParams.ignore_eos [false]: no stop on EOS or
-                                   # stop_token_ids; the scheduler then also reserves the
-                                   # full max_new_tokens when admitting the request
-    abort_at = 6                   # at this step SGLang's own AbortReq for the request
-                                   # goes through the same ingress as requests [none]; sent
-                                   # once the request itself has been fed
-    priority = 5                   # the request's priority [none]; needs
-                                   # enable_priority_scheduling = true under [server_args]
-
-``emit`` is the model-free forward's script: the token at output position *k* of the
-request is a function of the request and *k* only, so every loop emits the same tokens.
-It has no meaning for ``--runner real`` (a real model), which refuses it. SGLang matches
-an abort by request-id *prefix*, so a request with ``abort_at`` must not have an id that
-begins another request's id. A scripted abort is an expected outcome (as if listed under
-``[expect] aborted``). SGLang refuses ``min_new_tokens`` without a tokenizer
-(``skip_tokenizer_init``, which model-free runs need), so the format has none.
-``page_size`` is a ServerArgs override like any other: the torch
-loops build the paged KV allocator SGLang's model runner builds for it.
-
-    [expect]                       # optional: outcomes the workload means to produce
-    aborted = ["a2"]               # requests SGLang is expected to abort (e.g. a prompt
-                                   # longer than the model's context)
-    vacuous = true                 # no clause is expected to be exercised
-
-Without ``[expect]``, a request SGLang aborts or a run that exercises no clause makes
-``check`` exit 4 (vacuous, :mod:`contract_lib.verdict`).
-
-Token ids below 10 are reserved: prompts cannot use them and the fake model never emits
-them unless ``emit`` says so (2 is EOS).
+The TOML format, every field and its default: ``docs/workloads.md``. Token ids below
+10 are reserved (2 is EOS); a workload file is read only if it is a regular file of at
+most :data:`MAX_WORKLOAD_BYTES`.
 """
 
 from __future__ import annotations

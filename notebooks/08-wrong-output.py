@@ -45,7 +45,7 @@
 
 import contract_lib
 from contract_lib import views
-from contract_lib.child import kvpool
+from contract_lib.contract import kv_damage
 from contract_lib.campaigns.status import releases_status
 from contract_lib.sources.tiny_model import CONFIG, reference_outputs, tiny_model_dir, weights_digest
 
@@ -74,7 +74,7 @@ print("0.5.21 needs:", ", ".join(s for s in old.meta["shims"] if "backport" in s
 # lacks the `logical_max_total_num_tokens` override that 0.5.22 added, so
 # `alloc_memory_pool` reads a `kv_cache_configurator` the stub never sets
 # (`AttributeError`, an upstream startup bug of 0.5.21's stub). The harness backports
-# that one property (`compat.install_release_compat`); the sync code under test is
+# that one property (`backports.install_release_compat`); the sync code under test is
 # 0.5.21's as shipped.
 #
 # ## The slot picture
@@ -124,7 +124,7 @@ views.kv_pool_verdicts(*runs, rid="a2", labels=labels)
 # %%
 for frames, label in zip(runs, labels):
     print(label)
-    print(views.text_table(kvpool.summary_table(frames)))
+    print(views.text_table(kv_damage.summary_table(frames)))
     print()
 
 # %%

@@ -26,6 +26,7 @@ import pytest
 
 import contract_lib
 from contract_lib.runs import pool
+from contract_lib.runs import servers
 from contract_lib.runs.harness import run_many
 from contract_lib.workloads import Workload
 
@@ -68,7 +69,7 @@ def _run_children(root: int) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, AttributeError):
             continue
     # warm runs: children of the session's warm servers (not descendants of the parent)
-    for status in pool.statuses():
+    for status in servers.statuses():
         for pid in status["running"]:
             try:
                 found.append(psutil.Process(pid))

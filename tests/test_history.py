@@ -81,9 +81,9 @@ def test_the_unclamped_sync_damages_the_pool_until_0_5_22(run_cached, version, p
     """Clause 1's reader: through 0.5.21 the decode-KV sync is unclamped and writes
     through unrecorded req_to_token positions (slot 0, other requests' slots); the
     model-free runner runs each release's own sync."""
-    from contract_lib.child import kvpool
+    from contract_lib.contract import kv_damage
 
-    assert kvpool.damaged(run_cached("two-turn", "mlx", sglang=version)) == pool
+    assert kv_damage.damaged(run_cached("two-turn", "mlx", sglang=version)) == pool
 
 
 @pytest.mark.parametrize("version, startup", [("0.5.14", "backport-stub-alloc-memory-pool"),

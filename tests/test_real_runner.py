@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 import contract_lib
-from contract_lib.child import kvpool
+from contract_lib.contract import kv_damage
 from contract_lib.contract import check
 from contract_lib.sources.tiny_model import (build_tiny_model, reference_outputs, tiny_model_dir,
                                      weights_digest)
@@ -141,17 +141,17 @@ def test_second_turn_emits_different_tokens_than_the_fixed_path(two_turn, refere
     assert set(a2.verdict) == {"ok", "zero", "wrong"}
     first_bad = a2[a2.verdict != "ok"].position.min()
     assert (a2[a2.position < first_bad].verdict == "ok").all()
-    assert not kvpool.damaged(two_turn["fixed"])
+    assert not kv_damage.damaged(two_turn["fixed"])
     assert (two_turn["fixed"].kv_pool.verdict == "ok").all()
 
 
 def test_kv_pool_summary_table(two_turn):
-    table = kvpool.summary_table(two_turn["unclamped"]).set_index("rid")
+    table = kv_damage.summary_table(two_turn["unclamped"]).set_index("rid")
     assert table.loc["a", "into slot 0"] > 0
     assert table.loc["a", "into another live request"] > 0
     assert table.loc["a2", "wrong"] > 0
-    assert "holds KV" in kvpool.pool_table(two_turn["unclamped"])
-    assert "untouched" in kvpool.pool_table(two_turn["shipped"])
+    assert "holds KV" in kv_damage.pool_table(two_turn["unclamped"])
+    assert "untouched" in kv_damage.pool_table(two_turn["shipped"])
 
 
 def test_model_free_mlx_runs_keep_a_pool_and_the_torch_loops_none(run_cached):
@@ -215,7 +215,7 @@ def test_a_refused_run_earns_no_kv_pool_verdict():
     from contract_lib.campaigns.status import releases_status
 
     refused = contract_lib.run("page-size-4", "mlx", runner=REAL)
-    assert refused.status != "finished" and kvpool.kv_verdict(refused) is None
+    assert refused.status != "finished" and kv_damage.kv_verdict(refused) is None
     table = releases_status([None], workloads=["page-size-4", "single-decode"],
                             loops=("mlx",), runner=REAL, progress=False)
     kv_row = table.statuses[0].table().loc[next(
@@ -236,7 +236,7 @@ def test_the_model_free_pool_agrees_with_the_real_one(run_cached, patch):
     real = run_cached("two-turn", "mlx", patch or None, runner=REAL)
     free = run_cached("two-turn", "mlx", patch or None)
     assert (real.status, free.status) == ("finished", "finished")
-    pd.testing.assert_frame_equal(kvpool.summary_table(free), kvpool.summary_table(real))
+    pd.testing.assert_frame_equal(kv_damage.summary_table(free), kv_damage.summary_table(real))
     columns = ["step", "rid", "kind", "position", "slot", "target", "owner"]
     pd.testing.assert_frame_equal(free.kv_syncs[columns], real.kv_syncs[columns])
     pd.testing.assert_frame_equal(free.kv_pool.drop(columns="max_abs_diff"),

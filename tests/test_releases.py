@@ -15,7 +15,7 @@ import pytest
 import contract_lib
 from contract_lib.runs import fingerprint
 from contract_lib.runs import cache
-from contract_lib.child import kvpool
+from contract_lib.contract import kv_damage
 from contract_lib.sources import versions
 from contract_lib.cli import main
 from contract_lib.contract import check
@@ -126,7 +126,7 @@ def test_0_5_21_shipped_the_wrong_output(run_cached):
     slots, and a2 (a radix hit on a's reused row) emits other tokens than mlx-lm."""
     frames = run_cached("two-turn", "mlx", sglang="0.5.21", runner="real")
     assert frames.status == "finished", frames.error
-    table = kvpool.summary_table(frames).set_index("rid")
+    table = kv_damage.summary_table(frames).set_index("rid")
     assert table.loc["a", "into slot 0"] > 0 and table.loc["a", "into another live request"] > 0
     reference = reference_outputs("two-turn")
     outputs = frames.output_tokens()
@@ -152,19 +152,19 @@ def test_0_5_21s_removal_sync_damages_the_pool_on_the_model_free_runner_too(run_
     real = run_cached("memory-pressure", "mlx", MLX_FIXES, sglang="0.5.21", runner="real")
     writes = frames.kv_syncs[frames.kv_syncs.target == "other live request"]
     assert writes[["rid", "kind", "owner"]].values.tolist() == [["d", "remove", "c"]]
-    pd.testing.assert_frame_equal(kvpool.summary_table(frames), kvpool.summary_table(real))
+    pd.testing.assert_frame_equal(kv_damage.summary_table(frames), kv_damage.summary_table(real))
     assert "the MLX KV pool was damaged" in check(frames).verdict().line()
     table = releases_status(["0.5.21"], workloads=["memory-pressure"], loops=("mlx",),
                             patch=MLX_FIXES, progress=False).statuses[0].table()
     assert table.loc["- KV pool (model-free runner's contents)", "mlx"] == "damaged (1/1)"
-    assert not kvpool.damaged(run_cached("memory-pressure", "mlx", MLX_FIXES))
+    assert not kv_damage.damaged(run_cached("memory-pressure", "mlx", MLX_FIXES))
 
 
 @pytest.mark.parametrize("version", ["0.5.22", "0.5.23"])
 def test_the_clamped_releases_do_not_damage_the_pool(run_cached, version):
     frames = run_cached("two-turn", "mlx", sglang=version, runner="real")
     assert frames.status == "finished", frames.error
-    assert not kvpool.damaged(frames)
+    assert not kv_damage.damaged(frames)
     assert frames.output_tokens() == reference_outputs("two-turn")
 
 

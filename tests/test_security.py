@@ -30,6 +30,7 @@ import pytest
 
 from contract_lib import trust
 from contract_lib.runs import pool
+from contract_lib.runs import servers
 from contract_lib.wire import framing as serverwire
 from contract_lib.cli import main
 from contract_lib.workloads import MAX_WORKLOAD_BYTES, WorkloadError, load_workload
@@ -152,9 +153,9 @@ def test_a_server_of_another_user_is_never_read_nor_signalled(tmp_path, monkeypa
         with pytest.raises(pool.ServerUnavailable, match=f"served by uid {NOBODY}"):
             server.connect()
         with pytest.warns(pool.ServerWarning, match=f"served by uid {NOBODY}"):
-            assert pool.statuses(directory) == []
-        assert pool.stop_all(directory) == []
-        assert pool._alive(planted), "a foreign server was signalled"
+            assert servers.statuses(directory) == []
+        assert servers.stop_all(directory) == []
+        assert servers._alive(planted), "a foreign server was signalled"
         assert not mark.exists(), "a foreign payload ran"
     finally:
         os.kill(planted, signal.SIGKILL)
@@ -314,9 +315,9 @@ def test_server_stop_signals_the_verified_peer_never_a_pid_it_names(tmp_path):
     victim = subprocess.Popen(["sleep", "600"])
     forger = _forging_server(directory, victim.pid)
     try:
-        found = pool.statuses(directory)
+        found = servers.statuses(directory)
         assert [s["pid"] for s in found] == [forger.pid]  # the kernel's pid, not the reply's
-        pool.stop_all(directory, timeout=1.0)
+        servers.stop_all(directory, timeout=1.0)
         assert forger.wait(timeout=30) == -signal.SIGKILL  # the peer, proven, is killed
         assert victim.poll() is None, "server stop killed the pid a reply named"
     finally:

@@ -49,7 +49,7 @@ from typing import Any, Sequence
 
 import pandas as pd
 
-from contract_lib.child import kvpool
+from contract_lib.contract import kv_damage
 from contract_lib import loops as registry
 from contract_lib.contract import (HOLDS, MASKED, NOT_EXERCISED, NOT_PRESENT, VIOLATED, Report,
                                    check)
@@ -59,6 +59,8 @@ from contract_lib.runs.harness import frames_or_raise, run_many
 from contract_lib.patches.builtin import patch_spec
 from contract_lib.wire.protocol import RunSetupError
 from contract_lib.sources.origin import Source, resolve
+from contract_lib.campaigns.run_diff import (cached_tokens_at_end, first_difference,
+                                             later_turns, left_aligned, pool_summary)
 from contract_lib.campaigns.status import (KNOWN_UPSTREAM, SETUP_ERROR, VACUOUS, Status,
                                  default_loops)
 from contract_lib.verdict import ExitCode, Outcome
@@ -187,9 +189,9 @@ class Comparison:
 
     def kv_damage(self) -> list[dict[tuple[str, str], bool]]:
         """Per side, whether each MLX run damaged the KV pool (a row of the clause table,
-        judged as a clause: :func:`contract_lib.child.kvpool.kv_rows`)."""
+        judged as a clause: :func:`contract_lib.contract.kv_damage.kv_rows`)."""
         sides = [{key: pair[side] for key, pair in self.runs.items()} for side in (0, 1)]
-        return kvpool.kv_rows(sides, real="real" in (self.runner(0), self.runner(1)))
+        return kv_damage.kv_rows(sides, real="real" in (self.runner(0), self.runner(1)))
 
     def runner(self, side: int) -> str:
         """``real`` when a run of the side ran SGLang's real MLX runner."""
@@ -269,8 +271,8 @@ class Comparison:
         pool on each side, and the first step whose frames differ."""
         rows = []
         for (workload, loop), (base, head) in self.runs.items():
-            reuse = [f"{rid} {_reuse(base, rid)} -> {_reuse(head, rid)}"
-                     for rid in _later_turns(workload)]
+            reuse = [f"{rid} {cached_tokens_at_end(base, rid)} -> {cached_tokens_at_end(head, rid)}"
+                     for rid in later_turns(workload)]
             rows.append({"workload": workload, "loop": loop,
                          "same tokens": "yes" if base.output_tokens() == head.output_tokens()
                          else "NO",
@@ -291,10 +293,10 @@ class Comparison:
                  f"{' + patch ' + self.base.patch if self.base.patch else ''}",
                  f"head: {self.head.text}  = sglang {self.labels[1]}"
                  f"{' + patch ' + self.head.patch if self.head.patch else ''}", ""]
-        lines += _left(clauses).splitlines()
+        lines += left_aligned(clauses).splitlines()
         lines += ["", "(worst status over the workloads, and in how many of them it shows)",
                   ""]
-        lines += _left(self.run_table()).splitlines()
+        lines += left_aligned(self.run_table()).splitlines()
         outcome = self.outcome()
         changed = clauses[clauses["change"].isin(["fixed", "broke", "worse", "better"])]
         said = "; ".join(f"{r.change} {r.clause} on {r.loop}" + (
@@ -310,70 +312,6 @@ class Comparison:
         lines += ["", f"compare: {outcome.label} (exit {int(outcome)})"
                   + (f": {said}" if said else "")]
         return "\n".join(line.rstrip() for line in lines)
-
-
-def _left(table: pd.DataFrame) -> str:
-    """A table as left-aligned text columns."""
-    widths = {c: max([len(str(c))] + [len(str(v)) for v in table[c]]) for c in table}
-    rows = [[str(c) for c in table]] + [[str(v) for v in row] for row in table.values]
-    return "\n".join("  ".join(f"{v:<{widths[c]}}" for v, c in zip(row, table))
-                     for row in rows)
-
-
-def _later_turns(workload: str) -> list[str]:
-    return [r.rid for r in load_workload(workload).requests if r.turn_of is not None]
-
-
-def _reuse(frames: Frames, rid: str) -> str:
-    """A later turn's ``cached_tokens`` at its last step (``-`` if it never ran)."""
-    seen = frames.requests[frames.requests["rid"] == rid]
-    return str(int(seen["cached_tokens"].iloc[-1])) if len(seen) else "-"
-
-
-def pool_summary(frames: Frames) -> str:
-    """The KV pool over the run: SGLang's conservation law (``balanced`` or how many steps
-    leak), the peak positions in use of the pool's total, and whether the MLX KV pool was
-    damaged (:func:`contract_lib.child.kvpool.damaged`; the model-free runner's, when it was)."""
-    steps = frames.steps
-    if steps.empty:
-        return "-"
-    leaks = int(steps["pool_leak"].astype(bool).sum())
-    peak = int((steps["kv_total"] - steps["kv_available"]).max())
-    state = f"leak at {leaks} steps" if leaks else "balanced"
-    if frames.meta.get("runner") == "real" or kvpool.damaged(frames):  # model-free: when damaged
-        verdict = kvpool.kv_verdict(frames)
-        state += {True: ", KV DAMAGED", False: ", KV intact", None: ", KV not judged"}[verdict]
-    return f"{state}, peak {peak}/{int(steps['kv_total'].max())}"
-
-
-def first_difference(base: Frames, head: Frames) -> str:
-    """The first step at which any per-step table differs (wall-clock columns aside),
-    with the tables and columns that differ there; ``none`` when all are equal."""
-    a, b = base.comparable(), head.comparable()
-    found: dict[int, list[str]] = {}
-    for name in sorted(set(a) & set(b)):
-        left, right = a[name], b[name]
-        if "step" not in left.columns or left.equals(right):
-            continue
-        for step in sorted(set(left["step"]) | set(right["step"])):
-            x = left[left["step"] == step].reset_index(drop=True)
-            y = right[right["step"] == step].reset_index(drop=True)
-            if not x.equals(y):
-                found.setdefault(int(step), []).append(f"{name}{_columns(x, y)}")
-                break
-    if not found:
-        same = all(a[n].equals(b[n]) for n in set(a) & set(b))
-        return "none" if same else "no per-step difference (outputs differ)"
-    step = min(found)
-    return f"step {step}: {', '.join(found[step])}"
-
-
-def _columns(x: pd.DataFrame, y: pd.DataFrame) -> str:
-    """`` (col, col)``: the columns whose values differ, when both have the same rows."""
-    if x.shape != y.shape:
-        return f" ({len(x)} vs {len(y)} rows)"
-    columns = [c for c in x.columns if not x[c].equals(y[c])]
-    return f" ({', '.join(columns)})" if columns else ""
 
 
 def compare(base: Side | str | None, head: Side | str | None,

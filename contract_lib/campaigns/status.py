@@ -80,7 +80,7 @@ class Status:
     reports: dict[tuple[str, str], Report]
     sglang: str | None = None
     runner: str = "model-free"
-    # (workload, loop) -> whether the run damaged the MLX KV pool (:func:`kvpool.kv_rows`).
+    # (workload, loop) -> whether the run damaged the MLX KV pool (:func:`kv_damage.kv_rows`).
     kv_damaged: dict[tuple[str, str], bool] = dataclasses.field(default_factory=dict)
     # Show SGLang's pool conservation row even when no run leaked (a comparison's other
     # side leaked); it is shown whenever one did.
@@ -350,7 +350,7 @@ def releases_status(versions: list[str | None], workloads: list[str] | None = No
                            if registry.spec(loop).sglang else {"sglang": sources[v][0]})}
                        for v, w, loop in keys], progress=progress)
     frames = frames_or_raise(frames)  # e.g. a bad server arg: the table needs every run
-    from contract_lib.child.kvpool import kv_rows
+    from contract_lib.contract.kv_damage import kv_rows
 
     runs = [{(w, loop): f for (v, w, loop), f in zip(keys, frames) if v == version}
             for version in sources]

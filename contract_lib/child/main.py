@@ -177,17 +177,17 @@ def _build(spec: dict[str, Any], loop_spec: loops.LoopSpec, emit,
     runner = spec.get("runner", "model-free")
     if loop_spec.mlx:
         os.environ["SGLANG_USE_MLX"] = "1"
-    from contract_lib.sources import compat
+    from contract_lib.sources import backports, compat
     from contract_lib.child import shims
 
     applied = shims.install_import_shims()
-    compat.install_import_compat()
+    backports.install_import_compat()
     _check_sglang_release(spec)
     from sglang.srt.managers import scheduler as _scheduler_module  # noqa: F401
     from sglang.srt.server_args import PortArgs, ServerArgs
 
     timing["import_s"] = time.perf_counter() - started
-    applied += compat.install_import_compat() + compat.install_release_compat()
+    applied += backports.install_import_compat() + backports.install_release_compat()
 
     from contract_lib.child.capture import Recorder
     from contract_lib.patches.builtin import apply_patch

@@ -46,12 +46,12 @@ from contract_lib.trust import peer_credentials
 def preload() -> None:
     """Import what every run imports (with the import-time shims), nothing run-specific:
     per-loop shims and patches are applied in each forked child, never in the server."""
-    from contract_lib.sources import compat
+    from contract_lib.sources import backports, compat
     from contract_lib.child import shims
 
     shims.import_all()
     shims.install_import_shims()
-    compat.install_import_compat()
+    backports.install_import_compat()
     import sglang.srt.hardware_backend.mlx.model_runner  # noqa: F401
     import sglang.srt.hardware_backend.mlx.model_runner_stub  # noqa: F401
     if importlib.util.find_spec("sglang.srt.hardware_backend.mlx.runtime"):  # 0.5.19+

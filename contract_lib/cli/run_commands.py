@@ -26,7 +26,7 @@ def cmd_run(args) -> int:
     print()
     print(step_table(frames))
     if frames.meta.get("runner") == "real" and not frames.kv_pool.empty:
-        from contract_lib.child.kvpool import pool_table
+        from contract_lib.contract.kv_damage import pool_table
 
         print()
         print(pool_table(frames))
@@ -52,12 +52,12 @@ def cmd_check(args) -> int:
     real = frames.meta.get("runner") == "real"
     # The real runner's pool always; the model-free runner's contents when damaged.
     if (real and frames.status == "finished") or report.kv_damaged:
-        from contract_lib.child import kvpool
+        from contract_lib.contract import kv_damage
 
         runner = "real MlxModelRunner" if real else "model-free MlxModelRunner's contents"
         print()
         print(f"KV pool ({runner}): {'DAMAGED' if report.kv_damaged else 'intact'}")
-        print(kvpool.pool_table(frames))
+        print(kv_damage.pool_table(frames))
     return report.verdict().code
 
 

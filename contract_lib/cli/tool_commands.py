@@ -102,19 +102,19 @@ def cmd_server(args) -> int:
     """``server status``: one line per warm server; ``server stop``: stop them all;
     ``server start``: start the servers of the venv's SGLang (or of each ``--sglang``)
     now, side by side, then print the status."""
-    from contract_lib.runs import pool
+    from contract_lib.runs import pool, servers
 
     directory = pool.server_dir()
     if args.action == "start" and (failed := _start_servers(args.sglang or [None])):
         return failed
     try:
         if args.action == "stop":
-            stopped = pool.stop_all(directory)
+            stopped = servers.stop_all(directory)
             print(f"stopped {len(stopped)} warm server(s) in {directory}"
                   + "".join(f"\n  pid {s['pid']}: {s['runs_served']} runs served"
                             for s in stopped))
             return 0
-        found = pool.statuses(directory)
+        found = servers.statuses(directory)
     except pool.ServerUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return Outcome.USAGE

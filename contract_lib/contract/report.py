@@ -325,9 +325,9 @@ def _kv_damaged(frames: Frames) -> bool:
     pool: so does :attr:`Report.ok`)."""
     if frames.status != "finished":
         return False
-    from contract_lib.child import kvpool
+    from contract_lib.contract import kv_damage
 
-    return kvpool.damaged(frames)
+    return kv_damage.damaged(frames)
 
 
 def assert_contract(frames: Frames, clauses: str = "all", strict_known: bool = False

@@ -10,7 +10,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
 from contract_lib.frames import Frames
-from contract_lib.child.kvpool import summary_table
+from contract_lib.contract.kv_damage import summary_table
 from contract_lib.views.style import (BROWN, GREEN, LIGHT_GREEN, LIGHT_GREY, PURPLE, SALMON,
                                       SKY, VERMILLION, int_ticks, labels_for, legend,
                                       panels, titles)
@@ -201,7 +201,7 @@ def damage_by_workload(sglang: str, workloads: Sequence[str] | None = None,
 
 
 def damage_summary(frames: Frames, reference: dict[str, list[int]]) -> dict:
-    """One run's pool damage in positions (:func:`contract_lib.child.kvpool.summary_table`
+    """One run's pool damage in positions (:func:`contract_lib.contract.kv_damage.summary_table`
     totals) and the requests whose tokens differ from ``reference``."""
     totals = summary_table(frames)[["into slot 0", "into another live request", "zero",
                                     "wrong"]].sum()
