@@ -33,10 +33,9 @@ from pathlib import Path
 import pandas as pd
 
 import contract_lib
-from contract_lib.runs import pool
-from contract_lib.runs import servers
 from contract_lib.contract import check
 from contract_lib.frames import Frames
+from contract_lib.runs import pool, servers
 
 ROOT = Path(__file__).resolve().parent.parent
 

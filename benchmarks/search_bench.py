@@ -13,8 +13,14 @@ from __future__ import annotations
 import time
 
 import contract_lib
+from contract_lib.campaigns.search import (
+    Campaign,
+    search,
+    search_many,
+    workload_size,
+    write_found,
+)
 from contract_lib.contract import check
-from contract_lib.campaigns.search import Campaign, search, search_many, workload_size, write_found
 from contract_lib.workloads import load_workload, workload_names
 
 BUDGET = 100

@@ -30,10 +30,13 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from contract_lib.frames import Frames, FramesFormatError
-    from contract_lib.runs.harness import LOOPS, RUNNERS, RunSetupError, run
     from contract_lib.patches.builtin import BUILTIN_PATCHES, PatchError
-    from contract_lib.sources.versions import (SUPPORTED_SGLANG_VERSIONS, SGLangInstallError,
-                                       UnsupportedSGLangError)
+    from contract_lib.runs.harness import LOOPS, RUNNERS, RunSetupError, run
+    from contract_lib.sources.versions import (
+        SUPPORTED_SGLANG_VERSIONS,
+        SGLangInstallError,
+        UnsupportedSGLangError,
+    )
     from contract_lib.workloads import Workload, WorkloadError, load_workload, workload_names
 
 

@@ -50,6 +50,12 @@ class LoopSpec:
     def reference(self) -> bool:
         return self.role == REFERENCE
 
+    @property
+    def first_token_only(self) -> bool:
+        """A PD prefill side: it emits each request's first token and hands it off (it
+        sets ``max_new_tokens`` to 1, ``disaggregation/prefill.py``)."""
+        return self.disaggregation == PREFILL
+
 LOOP_SPECS: dict[str, LoopSpec] = {}
 
 

@@ -21,10 +21,9 @@ the run's child, SGLang) is imported when a test first calls ``contract_run``.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
-
-import sys
 
 import pytest
 

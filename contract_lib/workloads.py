@@ -114,7 +114,10 @@ class Workload:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], *, source: str = "<dict>") -> "Workload":
+    def from_dict(cls, raw: dict[str, Any], *, source: str = "<dict>",
+                  validate: bool = True) -> "Workload":
+        """A workload from TOML's (or :meth:`to_dict`'s) data, validated unless it comes
+        from a validated one (``validate=False``: a run spec's, in the run's process)."""
         try:
             _require_known(raw, WORKLOAD_KEYS, "key", "the workload")
             requests = raw["requests"]
@@ -143,7 +146,8 @@ class Workload:
             raise WorkloadError(f"{source}: invalid workload: missing field {exc}") from exc
         except (AttributeError, TypeError, ValueError) as exc:
             raise WorkloadError(f"{source}: invalid workload ({exc})") from exc
-        workload.validate(source)
+        if validate:
+            workload.validate(source)
         return workload
 
     def validate(self, source: str = "<workload>") -> None:

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from contract_lib.campaigns.audit import audit, readers
+from contract_lib.campaigns.trace import build_trace
 from contract_lib.cli import main
 from contract_lib.contract import check
-from contract_lib.campaigns.trace import build_trace
 
 FIX_BACKEND_STATE = (Path(__file__).resolve().parent.parent / "data" / "diffs"
                      / "fix-backend-state.diff")

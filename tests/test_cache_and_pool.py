@@ -6,9 +6,11 @@ import pandas as pd
 import pytest
 
 import contract_lib
-from contract_lib.runs import fingerprint
-from contract_lib.runs import cache
+from contract_lib import loops
+from contract_lib.runs import cache, fingerprint
 from contract_lib.wire import serverdir
+from contract_lib.wire.spec import RunSpec
+from contract_lib.workloads import Workload
 
 
 def _assert_same_frames(a, b):
@@ -37,10 +39,15 @@ def test_runs_do_not_leak_state_between_forked_children():
 
 
 def _spec(**changes):
-    spec = {"workload": contract_lib.load_workload("two-turn").to_dict(), "loop": "mlx",
-            "patch": None, "server_args": {}, "capture": True}
-    spec.update(changes)
-    return spec
+    """A run spec of two-turn on mlx, with ``changes`` (a workload as its dict, a loop
+    by name)."""
+    fields = {"workload": contract_lib.load_workload("two-turn"), "loop": loops.spec("mlx"),
+              **changes}
+    if isinstance(fields["workload"], dict):
+        fields["workload"] = Workload.from_dict(fields["workload"])
+    if isinstance(fields["loop"], str):
+        fields["loop"] = loops.spec(fields["loop"])
+    return RunSpec(**fields)
 
 
 def test_cache_serves_a_finished_run_and_can_be_bypassed_and_cleared(private_cache):

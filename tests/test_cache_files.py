@@ -19,14 +19,12 @@ import pandas as pd
 import pytest
 
 import contract_lib
-from contract_lib.runs import fingerprint
-from contract_lib.sources import user_modules
-from contract_lib.runs import cache
-from contract_lib.sources import installs
 from contract_lib.cli import main
 from contract_lib.contract import check
 from contract_lib.dtypes import KINDS
 from contract_lib.frames import COLUMNS, SCHEMA_VERSION, Frames, FramesFormatError
+from contract_lib.runs import cache, fingerprint
+from contract_lib.sources import installs, user_modules
 
 
 def _entries(directory: Path) -> list[Path]:

@@ -3,8 +3,7 @@ path that costs the file, never the verdict."""
 
 from __future__ import annotations
 
-from contract_lib.cli import run_commands as cli_runs
-from contract_lib.cli import main
+from contract_lib.cli import main, run_commands as cli_runs
 
 
 def test_trace_file_names_carry_the_patch_and_the_clock(tmp_path, monkeypatch):

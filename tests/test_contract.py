@@ -9,8 +9,15 @@ import pytest
 
 import contract_lib
 from contract_lib.cli import main
-from contract_lib.contract import (HOLDS, MASKED, NOT_EXERCISED, VIOLATED, ContractViolation,
-                                   assert_contract, check)
+from contract_lib.contract import (
+    HOLDS,
+    MASKED,
+    NOT_EXERCISED,
+    VIOLATED,
+    ContractViolation,
+    assert_contract,
+    check,
+)
 from contract_lib.verdict import unsupported
 
 WORKLOADS = contract_lib.workload_names()

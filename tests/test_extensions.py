@@ -12,11 +12,18 @@ import pandas as pd
 import pytest
 
 import contract_lib
-from contract_lib.cli import main
-from contract_lib.contract import HOLDS, NOT_EXERCISED, NOT_PRESENT, VIOLATED, check
-from contract_lib.contract import EXTENSIONS, RFC
-from contract_lib.patches.builtin import BUILTIN_PATCHES, bug_catalog
 from contract_lib.campaigns.status import KNOWN_UPSTREAM, Status
+from contract_lib.cli import main
+from contract_lib.contract import (
+    EXTENSIONS,
+    HOLDS,
+    NOT_EXERCISED,
+    NOT_PRESENT,
+    RFC,
+    VIOLATED,
+    check,
+)
+from contract_lib.patches.builtin import BUILTIN_PATCHES, bug_catalog
 from contract_lib.verdict import Outcome, unsupported
 
 WORKLOADS = contract_lib.workload_names()

@@ -12,10 +12,17 @@ from __future__ import annotations
 import pytest
 
 from conftest import saved_frames
-from contract_lib.contract import (HOLDS, MASKED, NOT_EXERCISED, VIOLATED,
-                                   ContractViolation, assert_contract, check)
-from contract_lib.contract.outputs import same_tokens
 from contract_lib.campaigns.status import Status
+from contract_lib.contract import (
+    HOLDS,
+    MASKED,
+    NOT_EXERCISED,
+    VIOLATED,
+    ContractViolation,
+    assert_contract,
+    check,
+)
+from contract_lib.contract.outputs import same_tokens
 from contract_lib.verdict import Outcome
 
 pytestmark = pytest.mark.fast

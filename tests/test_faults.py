@@ -25,7 +25,6 @@ import psutil
 import pytest
 
 import contract_lib
-from contract_lib.runs import pool
 from contract_lib.runs import servers
 from contract_lib.runs.harness import run_many
 from contract_lib.workloads import Workload

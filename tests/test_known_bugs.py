@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from contract_lib.contract import VIOLATED, check
 from contract_lib.campaigns.status import KNOWN_UPSTREAM, Status
+from contract_lib.contract import VIOLATED, check
 from contract_lib.verdict import Outcome
 
 pytestmark = pytest.mark.fast

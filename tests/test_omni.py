@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 
 import contract_lib
-from contract_lib.sources import omni_release as omni
 from contract_lib.contract import HOLDS, MASKED, check
+from contract_lib.sources import omni_release as omni
 from contract_lib.verdict import unsupported
 from contract_lib.workloads import workload_names
 

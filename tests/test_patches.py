@@ -8,8 +8,13 @@ import sys
 
 import pytest
 
-from contract_lib.patches.builtin import (BUILTIN_PATCHES, PatchError, bug_catalog, patch_source,
-                                  patch_spec)
+from contract_lib.patches.builtin import (
+    BUILTIN_PATCHES,
+    PatchError,
+    bug_catalog,
+    patch_source,
+    patch_spec,
+)
 
 
 @pytest.fixture()

@@ -13,10 +13,13 @@ import pandas as pd
 import pytest
 
 import contract_lib
-from contract_lib.contract import kv_damage
-from contract_lib.contract import check
-from contract_lib.sources.tiny_model import (build_tiny_model, reference_outputs, tiny_model_dir,
-                                     weights_digest)
+from contract_lib.contract import check, kv_damage
+from contract_lib.sources.tiny_model import (
+    build_tiny_model,
+    reference_outputs,
+    tiny_model_dir,
+    weights_digest,
+)
 
 REAL = "real"
 

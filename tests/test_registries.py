@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 
 import contract_lib
-from contract_lib.runs import fingerprint
-from contract_lib import loops
-from contract_lib import contract
+from contract_lib import contract, loops
+from contract_lib.campaigns.status import Status
 from contract_lib.contract import HOLDS, NOT_EXERCISED, VIOLATED, check
 from contract_lib.contract.base import NotExercised, result
 from contract_lib.contract.report import evaluate
-from contract_lib.campaigns.status import Status
+from contract_lib.runs import fingerprint
 from contract_lib.verdict import Outcome
 
 TOY = "toy-normal"
@@ -196,13 +195,19 @@ def test_an_edit_reruns_only_when_it_shapes_a_run(tmp_path):
     shutil.copytree(root.parent / "data" / "model", copy / "data" / "model")
     code = f"""
 import json
+from contract_lib import loops
 from contract_lib.runs import fingerprint as f
+from contract_lib.wire.spec import RunSpec
+from contract_lib.workloads import Workload
+spec = RunSpec(Workload.from_dict({{"name": "w", "requests": [{{"rid": "a", "prompt": [20],
+                                                             "max_new_tokens": 1}}]}}),
+               loops.spec("normal"))
 seen = {{}}
 for edited in {list(EDITS)!r}:
-    before = (f.key({{'loop': 'normal'}}), f.code_fingerprint())
+    before = (f.key(spec), f.code_fingerprint())
     with open('contract_lib/' + edited, 'a') as handle:
         handle.write('# an edit\\n')
-    after = (f.key({{'loop': 'normal'}}), f.code_fingerprint())
+    after = (f.key(spec), f.code_fingerprint())
     seen[edited] = [a != b for a, b in zip(before, after)]
 print(json.dumps(seen))
 """

@@ -7,21 +7,22 @@ The first use of each older release downloads its wheel (~30 MB) from PyPI once 
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 
 import pandas as pd
 import pytest
 
 import contract_lib
-from contract_lib.runs import fingerprint
-from contract_lib.runs import cache
-from contract_lib.contract import kv_damage
-from contract_lib.sources import versions
-from contract_lib.cli import main
-from contract_lib.contract import check
-from contract_lib.runs.pool import child_env
+from contract_lib import loops
 from contract_lib.campaigns.status import releases_status
+from contract_lib.cli import main
+from contract_lib.contract import check, kv_damage
+from contract_lib.runs import fingerprint
+from contract_lib.runs.pool import child_env
+from contract_lib.sources import versions
 from contract_lib.sources.tiny_model import reference_outputs
+from contract_lib.wire.spec import RunSpec
 
 # Tier: other SGLang releases / sglang-omni, installed from the package index on first use.
 pytestmark = pytest.mark.releases
@@ -67,8 +68,9 @@ def test_older_release_is_installed_in_its_own_folder(version):
     env = child_env(folder)
     assert env["PYTHONPATH"].split(":")[0] == str(folder)
     # The cache key reads the folder's SGLang, not the venv's.
-    spec = {"workload": {}, "loop": "mlx", "sglang": version}
-    assert fingerprint.key(spec, folder) != fingerprint.key(spec)
+    spec = RunSpec(contract_lib.load_workload("two-turn"), loops.spec("mlx"), sglang=version)
+    assert fingerprint.key(dataclasses.replace(spec, sglang_dir=str(folder))) != \
+        fingerprint.key(spec)
 
 
 def test_a_failing_install_is_a_clear_error(monkeypatch, tmp_path):

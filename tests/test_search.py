@@ -18,9 +18,9 @@ from hypothesis import given, settings
 
 import contract_lib
 from contract_lib.campaigns import search as search_mod
+from contract_lib.campaigns.search import Campaign, judge, search, to_toml, workloads
 from contract_lib.cli import main
 from contract_lib.contract import check
-from contract_lib.campaigns.search import Campaign, judge, search, to_toml, workloads
 from contract_lib.workloads import Workload, load_workload
 
 DIFFS = Path(__file__).resolve().parent.parent / "data" / "diffs"

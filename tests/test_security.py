@@ -29,10 +29,9 @@ from pathlib import Path
 import pytest
 
 from contract_lib import trust
-from contract_lib.runs import pool
-from contract_lib.runs import servers
-from contract_lib.wire import framing as serverwire
 from contract_lib.cli import main
+from contract_lib.runs import pool, servers
+from contract_lib.wire import framing as serverwire
 from contract_lib.workloads import MAX_WORKLOAD_BYTES, WorkloadError, load_workload
 
 pytestmark = pytest.mark.fast

@@ -20,9 +20,7 @@ from pathlib import Path
 import pytest
 
 import contract_lib
-from contract_lib.runs import fingerprint
-from contract_lib.runs import cache, pool
-from contract_lib.runs import servers
+from contract_lib.runs import fingerprint, pool, servers as warm
 from contract_lib.runs.harness import run_many
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -31,7 +29,7 @@ HANG = "user_patches:hang_in_loop"
 
 
 def _alive(pid: int) -> bool:
-    return servers._alive(pid)
+    return warm._alive(pid)
 
 
 def _wait_until(predicate, timeout: float, interval: float = 0.1):
@@ -50,7 +48,7 @@ def servers(tmp_path, monkeypatch):
     monkeypatch.setenv(pool.SERVER_DIR_ENV, str(directory))
     monkeypatch.delenv(pool.SERVER_SWITCH_ENV, raising=False)
     yield directory
-    servers.stop_all(directory)
+    warm.stop_all(directory)
 
 
 def _env(directory: Path, **extra: str) -> dict[str, str]:
@@ -69,7 +67,7 @@ def _api_run(directory: Path, code: str, **extra: str) -> subprocess.Popen:
 def _hung_run(directory: Path) -> int:
     """The pid of the run the directory's one server is running, once it hangs."""
     def running():
-        found = servers.statuses(directory)
+        found = warm.statuses(directory)
         return found and found[0]["running"] and found[0]["running"][0]
 
     pid = _wait_until(running, 180, 0.5)
@@ -83,7 +81,7 @@ def _hung_run(directory: Path) -> int:
 
 def test_later_processes_and_the_cli_fork_from_the_same_server(servers):
     first = contract_lib.run("single-decode", "normal", cache=False)
-    (status,) = servers.statuses(servers)
+    (status,) = warm.statuses(servers)
     assert first.status == "finished" and status["runs_served"] == 1
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "contract_lib", "check", "--loop", "normal",
@@ -91,7 +89,7 @@ def test_later_processes_and_the_cli_fork_from_the_same_server(servers):
                           cwd=PROJECT_ROOT, env=_env(servers), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert time.monotonic() - started < 15  # no SGLang import in the command
-    (after,) = servers.statuses(servers)
+    (after,) = warm.statuses(servers)
     assert after["pid"] == status["pid"] and after["runs_served"] == 2
     shown = subprocess.run([sys.executable, "-m", "contract_lib", "server", "status"],
                            cwd=PROJECT_ROOT, env=_env(servers), capture_output=True, text=True)
@@ -106,13 +104,13 @@ def test_server_start_warms_the_server_the_next_run_forks_from(servers):
                              cwd=PROJECT_ROOT, env=_env(servers), capture_output=True,
                              text=True)
     assert started.returncode == 0, started.stderr
-    (status,) = servers.statuses(servers)
+    (status,) = warm.statuses(servers)
     assert status["runs_served"] == 0 and "current" in started.stdout
     done = subprocess.run([sys.executable, "-m", "contract_lib", "check", "--loop", "normal",
                            "--workload", "single-decode", "--no-cache", "--clauses", "rfc"],
                           cwd=PROJECT_ROOT, env=_env(servers), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    (after,) = servers.statuses(servers)
+    (after,) = warm.statuses(servers)
     assert after["pid"] == status["pid"] and after["runs_served"] == 1
     refused = subprocess.run([sys.executable, "-m", "contract_lib", "server", "start",
                               "--sglang", "0.9"], cwd=PROJECT_ROOT, env=_env(servers),
@@ -129,7 +127,7 @@ def test_concurrent_threads_share_one_server(servers):
                         for loop in ("normal", "overlap", "mlx") for _ in range(3)],
                        workers=8, progress=False)
     assert [r.status for r in results] == ["finished"] * 9
-    (status,) = servers.statuses(servers)
+    (status,) = warm.statuses(servers)
     assert status["runs_served"] == 9
     assert len(list(servers.glob("*.sock"))) == 1
 
@@ -144,7 +142,7 @@ def test_a_run_that_sent_its_end_is_let_go_and_reaped_by_its_server(servers, mon
     frames = contract_lib.run("two-turn", "normal", cache=False)
     assert frames.status == "finished" and released
     assert _wait_until(lambda: not _alive(released[0])
-                       and not servers.statuses(servers)[0]["running"], 5)
+                       and not warm.statuses(servers)[0]["running"], 5)
 
 
 def test_two_processes_starting_a_server_at_once_share_it(servers):
@@ -153,7 +151,7 @@ def test_two_processes_starting_a_server_at_once_share_it(servers):
     outputs = [p.communicate(timeout=300) for p in processes]
     assert [out.strip() for out, _ in outputs] == ["finished", "finished"], outputs
     assert not any("ServerWarning" in err for _, err in outputs), outputs
-    (status,) = servers.statuses(servers)
+    (status,) = warm.statuses(servers)
     assert status["runs_served"] == 2
 
 
@@ -163,13 +161,13 @@ def test_two_processes_starting_a_server_at_once_share_it(servers):
 def test_an_idle_server_exits_and_removes_its_socket(servers, monkeypatch):
     monkeypatch.setenv(pool.IDLE_ENV, "3")
     assert contract_lib.run("single-decode", "normal", cache=False).status == "finished"
-    (status,) = servers.statuses(servers)
+    (status,) = warm.statuses(servers)
     assert status["idle_s"] == 3
     assert _wait_until(lambda: not _alive(status["pid"]), 20)
     assert not list(servers.glob("*.sock"))
     # the next run starts a new one
     assert contract_lib.run("single-decode", "normal", cache=False).status == "finished"
-    assert servers.statuses(servers)[0]["pid"] != status["pid"]
+    assert warm.statuses(servers)[0]["pid"] != status["pid"]
 
 
 def test_server_stop_kills_its_runs_and_the_run_keeps_its_frames(servers):
@@ -182,7 +180,7 @@ def test_server_stop_kills_its_runs_and_the_run_keeps_its_frames(servers):
     thread = threading.Thread(target=hung)
     thread.start()
     run_pid = _hung_run(servers)
-    (status,) = servers.statuses(servers)
+    (status,) = warm.statuses(servers)
     stopped = subprocess.run([sys.executable, "-m", "contract_lib", "server", "stop"],
                              cwd=PROJECT_ROOT, env=_env(servers), capture_output=True,
                              text=True, timeout=60)
@@ -202,12 +200,12 @@ def test_a_run_dies_with_the_process_that_asked_for_it(servers):
     requester = _api_run(servers, f"contract_lib.run('two-turn', 'normal', patch={HANG!r}, "
                                   "cache=False)")
     run_pid = _hung_run(servers)
-    (status,) = servers.statuses(servers)
+    (status,) = warm.statuses(servers)
     os.kill(requester.pid, signal.SIGKILL)
     requester.communicate()
-    assert _wait_until(lambda: not _alive(run_pid) and not servers.statuses(servers)[0]["running"],
+    assert _wait_until(lambda: not _alive(run_pid) and not warm.statuses(servers)[0]["running"],
                        5), "the run outlived its requester"
-    (after,) = servers.statuses(servers)  # the server stays, idle, for the next command
+    (after,) = warm.statuses(servers)  # the server stays, idle, for the next command
     assert after["pid"] == status["pid"] and after["runs_served"] == 1
 
 
@@ -217,10 +215,10 @@ def test_a_server_of_other_library_files_is_replaced(servers, monkeypatch, tmp_p
     monkeypatch.setattr(fingerprint, "LIBRARY_FILES", [*fingerprint.LIBRARY_FILES, extra])
     monkeypatch.setattr(fingerprint, "PROJECT_ROOT", Path("/"))  # the names the digest holds
     before = contract_lib.run("single-decode", "normal", cache=False)
-    (old,) = servers.statuses(servers)
+    (old,) = warm.statuses(servers)
     extra.write_text("x = 2\n")  # a library file edited
     after = contract_lib.run("single-decode", "normal", cache=False)
-    (new,) = servers.statuses(servers)
+    (new,) = warm.statuses(servers)
     assert new["pid"] != old["pid"] and new["fingerprint"] != old["fingerprint"]
     assert _wait_until(lambda: not _alive(old["pid"]), 10), "the stale server stayed"
     assert before.status == after.status == "finished"
@@ -232,12 +230,12 @@ def test_a_server_of_an_edited_source_tree_is_replaced(servers):
     handle = pool.POOL.acquire(None, {"sha256": "tree before the edit"})
     handle.arg_kinds = None
     handle.server_arg_kinds()
-    (old,) = servers.statuses(servers)
+    (old,) = warm.statuses(servers)
     assert old["identity"] == {"sha256": "tree before the edit"}
     handle = pool.POOL.acquire(None, {"sha256": "tree after the edit"})
     handle.arg_kinds = None
     handle.server_arg_kinds()
-    (new,) = servers.statuses(servers)
+    (new,) = warm.statuses(servers)
     assert new["pid"] != old["pid"] and new["identity"] == {"sha256": "tree after the edit"}
     assert _wait_until(lambda: not _alive(old["pid"]), 10), "the stale server stayed"
 
@@ -279,7 +277,7 @@ def test_a_warm_run_imports_a_patch_from_the_requesters_path(servers, tmp_path, 
     frames = contract_lib.run("single-decode", "normal", patch="late_patch:apply",
                               cache=False)
     assert "the late patch ran" in frames.error["message"]
-    assert servers.statuses(servers)[0]["runs_served"] == 2
+    assert warm.statuses(servers)[0]["runs_served"] == 2
 
 
 # -- what a run leaves behind -------------------------------------------------------------------

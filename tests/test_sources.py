@@ -19,11 +19,12 @@ from pathlib import Path
 import pytest
 
 import contract_lib
-from contract_lib.runs import fingerprint
-from contract_lib.runs import cache
-from contract_lib.sources import origin as sources, trees
+from contract_lib import loops
 from contract_lib.cli import main
 from contract_lib.paths import DATA_DIR
+from contract_lib.runs import cache, fingerprint
+from contract_lib.sources import origin as sources, trees
+from contract_lib.wire.spec import RunSpec
 
 GOOD = DATA_DIR / "diffs" / "fix-backend-state.diff"
 BAD = DATA_DIR / "diffs" / "stale-context.diff"
@@ -157,9 +158,13 @@ def test_diffs_apply_in_order_and_their_text_is_the_identity(tmp_path, diffs_dir
     edited.write_text(GOOD.read_text().replace("# rid -> Req of every", "# rid -> Req, every"))
     other = sources.resolve(None, [edited])
     assert other.sglang_dir != first.sglang_dir and other.identity != first.identity
-    spec = {"workload": "w"}
-    assert fingerprint.key({**spec, "sglang_source": first.identity}, first.sglang_dir) != \
-        fingerprint.key({**spec, "sglang_source": other.identity}, other.sglang_dir)
+    spec = RunSpec(contract_lib.load_workload("two-turn"), loops.spec("mlx"))
+
+    def keyed(source) -> str:
+        return fingerprint.key(dataclasses.replace(
+            spec, sglang_source=source.identity, sglang_dir=str(source.sglang_dir)))
+
+    assert keyed(first) != keyed(other)
 
 
 def _without_prefixes(text: str) -> str:

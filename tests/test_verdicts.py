@@ -10,10 +10,16 @@ from pathlib import Path
 import pytest
 
 import contract_lib
-from contract_lib.cli import main
-from contract_lib.contract import (HOLDS, VIOLATED, RunDidNotFinish, VacuousRun,
-                                   assert_contract, check)
 from contract_lib.campaigns.status import status
+from contract_lib.cli import main
+from contract_lib.contract import (
+    HOLDS,
+    VIOLATED,
+    RunDidNotFinish,
+    VacuousRun,
+    assert_contract,
+    check,
+)
 from contract_lib.verdict import Outcome
 
 TESTS = Path(__file__).resolve().parent
@@ -338,8 +344,8 @@ def test_an_argument_that_turns_overlap_off_indirectly_is_named():
     (e.g. speculative decoding, the MPS backend): the one whose removal restores the
     loop is named. A stand-in ServerArgs with such a hook:"""
     from contract_lib import loops
-    from contract_lib.wire.protocol import LoopMismatch
     from contract_lib.child.refusals import check_loop_args
+    from contract_lib.wire.protocol import LoopMismatch
 
     class Args:
         def __init__(self, **kwargs):

@@ -13,12 +13,17 @@ import pandas as pd
 import pytest
 
 import contract_lib
-from contract_lib.contract import HOLDS, check
 from contract_lib.campaigns.found import to_toml
 from contract_lib.campaigns.status import Status
+from contract_lib.contract import HOLDS, check
 from contract_lib.verdict import Outcome, unsupported
-from contract_lib.workloads import (WORKLOAD_DIR, RequestSpec, Workload, WorkloadError,
-                                    load_workload)
+from contract_lib.workloads import (
+    WORKLOAD_DIR,
+    RequestSpec,
+    Workload,
+    WorkloadError,
+    load_workload,
+)
 
 LOOPS = ("normal", "overlap", "mlx")
 TORCH = ("normal", "overlap")

@@ -231,6 +231,7 @@ def swap_decode_slots():
     """A decode batch's new slots are recorded in reversed request order: each row gets
     another request's slot, while the forward writes each request's KV to its own."""
     from sglang.srt.mem_cache import allocation
+
     from contract_lib.patches.builtin import patch_source
 
     patch_source(allocation, "alloc_for_decode_default", [
@@ -272,6 +273,7 @@ def launch_ts_at_processing():
     """The overlap loop stamps each batch again just before its result is processed:
     increasing, on the loop's clock, but not the time of its launch."""
     from sglang.srt.managers.scheduler import Scheduler
+
     from contract_lib.patches.builtin import patch_source
 
     patch_source(Scheduler, "event_loop_overlap", [
@@ -360,6 +362,7 @@ def idle_in_flight_term_only_by_default():
     (``for_health_check``) and the flush (``ignore_waiting``) are told idle while a job
     is in ``result_queue``."""
     from sglang.srt.managers.scheduler import Scheduler
+
     from contract_lib.patches.builtin import patch_source
 
     patch_source(Scheduler, "is_fully_idle", [
@@ -374,6 +377,7 @@ def idle_flag_of_one_caller():
     plain call, the health check and the flush still hear busy."""
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.managers.scheduler_components import weight_updater
+
     from contract_lib.patches.builtin import patch_source
 
     patch_source(Scheduler, "is_fully_idle", [
@@ -436,6 +440,7 @@ def radix_keys_skip_first_output():
     so a later turn matches only the prompt and prefills the rest again."""
     from sglang.srt.mem_cache.radix_cache import RadixCache
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
     from contract_lib.patches.builtin import patch_source
 
     for cls, name in ((RadixCache, "checkpoint"), (UnifiedRadixCache, "checkpoint_into_tree")):
@@ -450,6 +455,7 @@ def mlx_prefill_ids_from_the_first_lane():
     without advancing past the lanes before it: every request of a multi-request extend
     batch is fed the first request's prompt (its slots, lengths and counters right)."""
     from sglang.srt.hardware_backend.mlx.tp_worker import MlxTpModelWorker
+
     from contract_lib.patches.builtin import patch_source
 
     patch_source(MlxTpModelWorker, "_async_extend_batch", [
@@ -462,6 +468,7 @@ def retraction_recounts_the_cache_hit():
     """SGLang #11900 reintroduced: a retracted request's re-prefill adds its radix hit
     to ``cached_tokens`` again (users saw more cached tokens than the prompt had)."""
     from sglang.srt.managers.schedule_batch import ScheduleBatch
+
     from contract_lib.patches.builtin import patch_source
 
     patch_source(ScheduleBatch, "prepare_for_extend", [
@@ -474,6 +481,7 @@ def chunks_counted_as_cache_hits():
     """SGLang #2555 reintroduced: each later prefill chunk counts the request's own
     earlier chunks as cached tokens (the cache hit rate of chunked prompts inflated)."""
     from sglang.srt.managers.schedule_batch import ScheduleBatch
+
     from contract_lib.patches.builtin import patch_source
 
     patch_source(ScheduleBatch, "prepare_for_extend", [
@@ -486,6 +494,7 @@ def cache_hit_counted_one_high():
     """A radix hit counted one token high (``cached_tokens`` = matched + 1 when anything
     matched): within the prompt, counted once, above the reuse the tree allowed."""
     from sglang.srt.managers.schedule_batch import ScheduleBatch
+
     from contract_lib.patches.builtin import patch_source
 
     patch_source(ScheduleBatch, "prepare_for_extend", [
@@ -499,6 +508,7 @@ def length_before_stop():
     stop token and EOS, so a stop landing as the last allowed token ends the request by
     length and is not trimmed (the client gets the EOS)."""
     from sglang.srt.managers.schedule_batch import Req
+
     from contract_lib.patches.builtin import patch_source
 
     patch_source(Req, "update_finish_state", [(
@@ -518,6 +528,7 @@ def middle_chunk_not_counted():
     more chunks a middle chunk's result is processed as the last prefill (a token from
     half a prompt)."""
     from sglang.srt.managers.scheduler import Scheduler
+
     from contract_lib.patches.builtin import patch_source
 
     patch_source(Scheduler, "_get_new_batch_prefill_raw", [(
@@ -531,6 +542,7 @@ def mlx_release_skips_the_sync():
     the runner's release sync, so its decode KV never reaches the pool, and a later
     radix hit reads positions nothing wrote (the real runner's outputs change)."""
     from sglang.srt.hardware_backend.mlx.tp_worker import MlxTpModelWorker
+
     from contract_lib.patches.builtin import patch_source
 
     patch_source(MlxTpModelWorker, "prepare_for_kv_cache_release", [
@@ -551,6 +563,7 @@ def radix_match_one_token_long():
     not ``lo``): a prompt that diverges from a cached one is served the KV the other
     request computed for its own token at that position."""
     from sglang.srt.mem_cache import radix_cache
+
     from contract_lib.patches.builtin import patch_source
 
     _python_tree_core()
@@ -563,6 +576,7 @@ def radix_match_page_ceil():
     """A paged radix match rounds the matched length up to whole pages: a page that only
     partly matches is served from the tree, its tail the other prompt's KV."""
     from sglang.srt.mem_cache import radix_cache
+
     from contract_lib.patches.builtin import patch_source
 
     _python_tree_core()
@@ -622,6 +636,7 @@ def stale_rids_kept_by_the_runner():
     left the batch keep their runner caches (clause 7, already violated on the MLX loop,
     gets worse)."""
     from sglang.srt.hardware_backend.mlx.tp_worker import MlxTpModelWorker
+
     from contract_lib.patches.builtin import patch_source
 
     patch_source(MlxTpModelWorker, "_cleanup_stale_rids", [
@@ -742,6 +757,7 @@ def stop_check_one_late():
     """The stop-token check reads the token before the newest (an off-by-one slice): a
     stop ends its request one step late, with one token more than the client asked."""
     from sglang.srt.managers.schedule_batch import Req
+
     from contract_lib.patches.builtin import patch_source
 
     patch_source(Req, "update_finish_state", [
@@ -755,6 +771,7 @@ def abort_keeps_queued():
     queue (``waiting_queue[i]``, not ``pop(i)``): it is served anyway, for a client told
     it was aborted."""
     from sglang.srt.managers.scheduler import Scheduler
+
     from contract_lib.patches.builtin import patch_source
 
     patch_source(Scheduler, "abort_request", [
@@ -789,6 +806,7 @@ def release_keeps_the_tree_lock():
     import sys
 
     from sglang.srt.mem_cache import common
+
     from contract_lib.patches.builtin import patch_source
 
     original = common.release_kv_cache
@@ -805,6 +823,7 @@ def evict_the_whole_need():
     allocation (``num_tokens``), not its shortfall past what is free: cached prefixes are
     thrown away under memory pressure for nothing."""
     from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
+
     from contract_lib.patches.builtin import patch_source
 
     patch_source(BaseTokenToKVPoolAllocator, "evict_to_free_tokens", [
@@ -817,6 +836,7 @@ def evict_without_shortfall():
     """The allocator's shortfall forgets what is free (``shortfall = num_tokens``): every
     allocation evicts cached prefixes, even with the pool nearly empty."""
     from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
+
     from contract_lib.patches.builtin import patch_source
 
     patch_source(BaseTokenToKVPoolAllocator, "evict_to_free_tokens", [
@@ -829,6 +849,7 @@ def retraction_not_counted():
     ``num_retractions`` reads 0, and the MLX worker's ``_drop_state_if_retracted`` (keyed
     on the count) no longer sees it."""
     from sglang.srt.managers.schedule_batch import Req
+
     from contract_lib.patches.builtin import patch_source
 
     patch_source(Req, "reset_for_retract", [("self.retraction_count += 1\n", "pass\n")],
@@ -841,6 +862,7 @@ def one_token_chunk_as_decode():
     token runs as a decode lane, and the runner is fed its own stale prediction from the
     previous chunk instead of the prompt's last token (every later token is wrong)."""
     from sglang.srt.hardware_backend.mlx.tp_worker import MlxTpModelWorker
+
     from contract_lib.patches.builtin import patch_source
 
     patch_source(MlxTpModelWorker, "_async_extend_batch", [
@@ -880,7 +902,8 @@ def prebuilt_skips_the_relay_stash():
     """The decode side's prebuilt batch does not stash the hand-off token into the relay
     (``process_prebuilt``): the first decode reads a row nothing published."""
     from sglang.srt.disaggregation.decode_schedule_batch_mixin import (
-        ScheduleBatchDisaggregationDecodeMixin)
+        ScheduleBatchDisaggregationDecodeMixin,
+    )
 
     from contract_lib.patches.builtin import patch_source
 
@@ -894,7 +917,8 @@ def prebuilt_seq_lens_one_high():
     """``prepare_for_prebuilt`` counts the hand-off token's position as computed: the
     running batch's ``seq_lens`` lead the KV the transfer delivered by one."""
     from sglang.srt.disaggregation.decode_schedule_batch_mixin import (
-        ScheduleBatchDisaggregationDecodeMixin)
+        ScheduleBatchDisaggregationDecodeMixin,
+    )
 
     from contract_lib.patches.builtin import patch_source
 

@@ -35,8 +35,8 @@ import pandas as pd
 from contract_lib import loops
 from contract_lib.contract import CLAUSE_OF_FIELD
 from contract_lib.frames import Frames
-from contract_lib.runs.harness import frames_or_raise, run_many
 from contract_lib.patches.builtin import PatchArg, patch_spec
+from contract_lib.runs.harness import frames_or_raise, run_many
 from contract_lib.sources.origin import Source, resolve
 from contract_lib.verdict import Outcome, setup_failed
 

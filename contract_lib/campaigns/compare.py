@@ -49,21 +49,38 @@ from typing import Any, Sequence
 
 import pandas as pd
 
-from contract_lib.contract import kv_damage
 from contract_lib import loops as registry
-from contract_lib.contract import (HOLDS, MASKED, NOT_EXERCISED, NOT_PRESENT, VIOLATED, Report,
-                                   check)
-from contract_lib.sources.diffs import model_free_notes
+from contract_lib.campaigns.run_diff import (
+    cached_tokens_at_end,
+    first_difference,
+    later_turns,
+    left_aligned,
+    pool_summary,
+)
+from contract_lib.campaigns.status import (
+    KNOWN_UPSTREAM,
+    SETUP_ERROR,
+    VACUOUS,
+    Status,
+    default_loops,
+)
+from contract_lib.contract import (
+    HOLDS,
+    MASKED,
+    NOT_EXERCISED,
+    NOT_PRESENT,
+    VIOLATED,
+    Report,
+    check,
+    kv_damage,
+)
 from contract_lib.frames import Frames
-from contract_lib.runs.harness import frames_or_raise, run_many
 from contract_lib.patches.builtin import patch_spec
-from contract_lib.wire.protocol import RunSetupError
+from contract_lib.runs.harness import frames_or_raise, run_many
+from contract_lib.sources.diffs import model_free_notes
 from contract_lib.sources.origin import Source, resolve
-from contract_lib.campaigns.run_diff import (cached_tokens_at_end, first_difference,
-                                             later_turns, left_aligned, pool_summary)
-from contract_lib.campaigns.status import (KNOWN_UPSTREAM, SETUP_ERROR, VACUOUS, Status,
-                                 default_loops)
 from contract_lib.verdict import ExitCode, Outcome
+from contract_lib.wire.protocol import RunSetupError
 from contract_lib.workloads import load_workload, workload_names
 
 SIDE_KEYS = ("release", "path", "diff", "patch")

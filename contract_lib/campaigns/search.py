@@ -27,25 +27,33 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
-from hypothesis import seed as hypothesis_seed
+from hypothesis import (
+    HealthCheck,
+    Phase,
+    Verbosity,
+    given,
+    reject,
+    seed as hypothesis_seed,
+    settings,
+)
 from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.errors import Unsatisfiable
 
 from contract_lib import loops
-from contract_lib.contract import CLAUSES, Report, check, violation_message
-from contract_lib.contract.outputs import same_tokens
-from contract_lib.frames import Frames, run_title
-from contract_lib.runs.harness import RunSetupError, frames_or_raise, run, run_many
-from contract_lib.patches.builtin import PatchSpec, patch_spec
-from contract_lib.sources.origin import Source, file_part, resolve, run_sglang
-from contract_lib.verdict import loop_mismatch, setup_failed
-from contract_lib.workloads import Workload
+
 # The minimal workload's file and the generated workloads: re-exported here, where
 # campaigns are run.
 from contract_lib.campaigns.found import FOUND_DIR, to_toml, workload_size  # noqa: F401
 from contract_lib.campaigns.generation import workloads
+from contract_lib.contract import CLAUSES, Report, check, violation_message
+from contract_lib.contract.outputs import same_tokens
+from contract_lib.frames import Frames, run_title
+from contract_lib.patches.builtin import PatchSpec, patch_spec
 from contract_lib.paths import PROJECT_ROOT
+from contract_lib.runs.harness import RunSetupError, frames_or_raise, run, run_many
+from contract_lib.sources.origin import Source, file_part, resolve, run_sglang
+from contract_lib.verdict import loop_mismatch, setup_failed
+from contract_lib.workloads import Workload
 
 DATABASE_DIR = PROJECT_ROOT / ".cache" / "hypothesis-search"
 

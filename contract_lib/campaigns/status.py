@@ -10,11 +10,22 @@ import dataclasses
 
 import pandas as pd
 
-from contract_lib.contract import (CLAUSES, EXTENDED_FIELDS, HOLDS, MASKED, NOT_EXERCISED,
-                                   NOT_PRESENT, POOL_ROW, VIOLATED, Report, check, origin)
 from contract_lib import loops as registry
-from contract_lib.runs.harness import frames_or_raise, run_many
+from contract_lib.contract import (
+    CLAUSES,
+    EXTENDED_FIELDS,
+    HOLDS,
+    MASKED,
+    NOT_EXERCISED,
+    NOT_PRESENT,
+    POOL_ROW,
+    VIOLATED,
+    Report,
+    check,
+    origin,
+)
 from contract_lib.patches.builtin import PatchArg, patch_spec
+from contract_lib.runs.harness import frames_or_raise, run_many
 from contract_lib.verdict import Outcome, loop_mismatch, setup_failed, unsupported, worst
 from contract_lib.workloads import workload_names
 

@@ -50,8 +50,6 @@ import itertools
 import math
 import sys
 
-import pandas as pd
-
 from contract_lib.child.capture import free_slot_mask
 from contract_lib.sources.compat import pool_layers, radix_match_slots, req_kv
 

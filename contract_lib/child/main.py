@@ -5,7 +5,6 @@ frames to the parent (:mod:`contract_lib.wire.protocol`) and report the run's en
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import gc
 import json
@@ -19,15 +18,19 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from contract_lib.sources.user_modules import user_modules
 from contract_lib import loops
-from contract_lib.wire import journal
+from contract_lib.child.families import SGLangFamily, family_of
+from contract_lib.child.refusals import (
+    check_page_size,
+    refuse_workload,
+    resolved_args,
+)
 from contract_lib.paths import MODEL_DIR
+from contract_lib.sources.user_modules import user_modules
+from contract_lib.wire import journal
 from contract_lib.wire.protocol import END, LoopMismatch, RunSetupError, error_record
-from contract_lib.child.refusals import (check_loop_args, check_page_size, refuse_workload,
-                                   resolved_args)
-from contract_lib.wire.serverargs import accepted_kinds, problems, user_server_args
-from contract_lib.workloads import Workload
+from contract_lib.wire.serverargs import accepted_kinds, problems
+from contract_lib.wire.spec import REAL, RunSpec
 
 # The server args every run starts from (a CPU, model-free, deterministic scheduler);
 # a workload's [server_args] and the caller's overrides are applied on top.
@@ -61,7 +64,7 @@ def _child_entry() -> None:
     warm server receives it), messages go back on the pipe whose fd is ``argv[1]`` and
     the journal whose fd is ``argv[3]``; stdout and stderr go to the run's log."""
     die_with_parent(int(sys.argv[2]))
-    spec = json.loads(sys.stdin.buffer.read())
+    spec = RunSpec.from_json(json.loads(sys.stdin.buffer.read()))
     child_run(spec, Connection(int(sys.argv[1]), readable=False), int(sys.argv[3]))
     os._exit(0)  # skip SGLang's atexit teardown; everything was sent
 
@@ -112,7 +115,7 @@ def sender(conn: Connection, journal_fd: int):
     return emit
 
 
-def child_run(spec: dict[str, Any], conn: Connection, journal_fd: int) -> None:
+def child_run(spec: RunSpec, conn: Connection, journal_fd: int) -> None:
     """One run inside its own process (cold or forked): build, loop, report the end;
     messages go to the journal ``journal_fd``, its notes on ``conn``."""
     emit = sender(conn, journal_fd)
@@ -121,9 +124,10 @@ def child_run(spec: dict[str, Any], conn: Connection, journal_fd: int) -> None:
     status, error = "finished", None
     timing: dict[str, float] = {}
     started = time.perf_counter()
-    loop_spec = loops.LoopSpec(**spec["loop_spec"])
+    loop_spec = spec.loop
     try:
-        scheduler, recorder, kv_recorder = _build(spec, loop_spec, emit, timing)
+        family = family_of(loop_spec)
+        scheduler, recorder, kv_recorder = _build(spec, family, emit, timing)
         # The build's objects join the permanent generation, as the server's imports did
         # before the fork and as SGLang's own ``freeze_gc`` request does to a serving
         # Scheduler: the loop's collections then walk what the loop made, not the
@@ -134,9 +138,7 @@ def child_run(spec: dict[str, Any], conn: Connection, journal_fd: int) -> None:
         phase = "loop"
         loop_started, loop_cpu = time.perf_counter(), time.process_time()
         try:
-            # OmniScheduler's entry; ``run_event_loop`` would be SGLang's, bound to it.
-            (scheduler.start if loop_spec.family == loops.OMNI
-             else scheduler.run_event_loop)()
+            family.enter(scheduler)
         finally:
             timing["loop_s"] = time.perf_counter() - loop_started
             # the CPU the run's process spent in the loop: its cost, whatever else runs
@@ -169,22 +171,22 @@ def child_run(spec: dict[str, Any], conn: Connection, journal_fd: int) -> None:
     conn.close()
 
 
-def _build(spec: dict[str, Any], loop_spec: loops.LoopSpec, emit,
-           timing: dict[str, float]):
-    """Shims, patch, a real Scheduler and the capture hooks (wall times into ``timing``).
-    Returns the scheduler, the frame recorder and the KV pool recorder (MLX)."""
+def _build(spec: RunSpec, family: SGLangFamily, emit, timing: dict[str, float]):
+    """Shims, patch, a real scheduler of the loop's family and the capture hooks (wall
+    times into ``timing``). Returns the scheduler, the frame recorder and the KV pool
+    recorder (MLX)."""
     started = time.perf_counter()
-    runner = spec.get("runner", "model-free")
+    loop_spec, runner = spec.loop, spec.runner
     if loop_spec.mlx:
         os.environ["SGLANG_USE_MLX"] = "1"
-    from contract_lib.sources import backports, compat
     from contract_lib.child import shims
+    from contract_lib.sources import backports, compat
 
     applied = shims.install_import_shims()
     backports.install_import_compat()
     _check_sglang_release(spec)
     from sglang.srt.managers import scheduler as _scheduler_module  # noqa: F401
-    from sglang.srt.server_args import PortArgs, ServerArgs
+    from sglang.srt.server_args import ServerArgs
 
     timing["import_s"] = time.perf_counter() - started
     applied += backports.install_import_compat() + backports.install_release_compat()
@@ -197,57 +199,30 @@ def _build(spec: dict[str, Any], loop_spec: loops.LoopSpec, emit,
     def on_launch(batch, tokens: list[int]) -> None:
         holder["recorder"].on_torch_launch(batch, tokens)
 
-    if loop_spec.family == loops.OMNI:
-        from contract_lib.child import omni
-
-        applied += omni.install_shims(spec["omni_dir"], on_launch)
-    else:
-        shims.install_torch_model_free_forward(on_launch)
-        applied.append("torch-model-free-forward")
+    applied += family.install_shims(spec.omni_dir, on_launch)
     if loop_spec.mlx:
         if shims.install_mlx_runtime_gate_shim():
             applied.append("mlx-runtime-gate")
-        if runner == "real":
+        if runner == REAL:
             applied += shims.install_mlx_real_runner()
         else:
             shims.install_mlx_model_free_runner()
             applied.append("mlx-model-free-runner")
-    if loop_spec.disaggregation:
-        applied += shims.install_disaggregation_shims(loop_spec.disaggregation)
-    apply_patch(spec["patch"])
+    apply_patch(spec.patch)
 
-    workload = Workload.from_dict(spec["workload"])
+    workload = spec.workload
     refuse_workload(loop_spec, workload, runner)
+    family.refuse(workload)
     shims.install_token_script(workload.scripted_tokens())
-    model_dir = spec["model_dir"] if runner == "real" else str(MODEL_DIR)
+    model_dir = spec.model_dir if runner == REAL else str(MODEL_DIR)
+    user_args = spec.user_server_args()
     args = {**BASE_SERVER_ARGS, "model_path": model_dir,
             "disable_overlap_schedule": loop_spec.disable_overlap_schedule,
-            **(shims.disaggregation_server_args(loop_spec.disaggregation)
-               if loop_spec.disaggregation else {}),
-            **workload.server_args, **spec["server_args"]}
-    user_args = user_server_args(spec)
+            **family.server_args(), **user_args}
     if user_args and (found := problems(user_args, accepted_kinds(ServerArgs))):
         raise RunSetupError("; ".join(found))  # a cold run's parent could not check them
-    server_args = ServerArgs(**args)
-    if loop_spec.family == loops.OMNI:  # its ModelWorker publishes the runtime context
-        built = time.perf_counter()
-        scheduler = omni.build_scheduler(server_args)
-        timing["build_s"] = time.perf_counter() - built
-    else:
-        check_loop_args(loop_spec, server_args, args, workload.server_args,
-                        spec["server_args"], ServerArgs)
-        port_args = PortArgs.init_new(server_args)
-        scheduler_class = shims.scheduler_class_for(loop_spec.mlx)
-        if scheduler_class.__name__ != "Scheduler":
-            applied.append("mlx-overlap-mixin")
-        built = time.perf_counter()
-        try:
-            scheduler = compat.build_scheduler(scheduler_class, server_args, port_args)
-        finally:
-            _remove_ipc_names(port_args)  # built, or failed in its build
-        timing["build_s"] = time.perf_counter() - built
-        scheduler.request_receiver = shims.ScriptedReceiver()
-        applied.append("scripted-ingress")
+    scheduler = family.build(ServerArgs(**args), args, spec.server_args,
+                             workload.server_args, applied, timing)
     check_page_size(scheduler, loop_spec.name, triton="triton-standin" not in applied)
     emit(("meta", {"shims": applied, "expect": workload.expected_outcomes(),
                    "enable_overlap": bool(scheduler.enable_overlap),
@@ -258,32 +233,17 @@ def _build(spec: dict[str, Any], loop_spec: loops.LoopSpec, emit,
                    "script": {rid: sorted(tokens.items()) for rid, tokens
                               in workload.scripted_tokens().items()}}))
     _record_loop_entry(scheduler, loop_spec, emit)
-    recorder = Recorder(scheduler, loop_spec, workload, emit, capture=spec.get("capture", True),
-                        audit=spec.get("audit", False))
+    recorder = Recorder(scheduler, loop_spec, workload, emit, capture=spec.capture,
+                        audit=spec.audit)
     holder["recorder"] = recorder
     recorder.install()
     kv_recorder = None
-    if loop_spec.mlx and spec.get("capture", True):  # either runner's pool
+    if loop_spec.mlx and spec.capture:  # either runner's pool
         from contract_lib.child.kvpool import KvPoolRecorder
 
         kv_recorder = KvPoolRecorder(scheduler, recorder, emit, model_dir)
         kv_recorder.install()
     return scheduler, recorder, kv_recorder
-
-
-def _remove_ipc_names(port_args) -> None:
-    """Remove the files behind the Scheduler's ``ipc://`` names, once it is built or its
-    build failed: SGLang's ``PortArgs.init_new`` takes each name with
-    ``NamedTemporaryFile(delete=False)`` and never removes it, so every run left five
-    empty files in ``$TMPDIR`` (154,000 had piled up in this machine's /tmp). Its
-    sockets are bound and connected by then, and no peer ever connects by name (the
-    ingress is scripted, the outputs go nowhere), so the loop runs as before; removed
-    here, in the run's process, they are gone even if the run or its requester is
-    killed later."""
-    for value in vars(port_args).values():
-        if isinstance(value, str) and value.startswith("ipc://"):
-            with contextlib.suppress(OSError):
-                os.unlink(value.removeprefix("ipc://"))
 
 
 def _record_loop_entry(scheduler, loop_spec: loops.LoopSpec, emit) -> None:
@@ -306,14 +266,14 @@ def _record_loop_entry(scheduler, loop_spec: loops.LoopSpec, emit) -> None:
         setattr(scheduler, name, entered)
 
 
-def _check_sglang_release(spec: dict[str, Any]) -> None:
+def _check_sglang_release(spec: RunSpec) -> None:
     """The child imports the SGLang release the run asked for (its folder first on
     ``PYTHONPATH``), not the venv's: checked before anything is built."""
     from importlib import metadata
 
     import sglang
 
-    expected, folder = spec.get("sglang"), spec.get("sglang_dir")
+    expected, folder = spec.sglang, spec.sglang_dir
     actual = metadata.version("sglang")
     location = Path(sglang.__file__).resolve()
     if (expected is not None and actual != expected) or (

@@ -15,6 +15,7 @@ import functools
 import sys
 from typing import Any, Callable
 
+
 def install_shims(folder: str, on_launch: Callable[[Any, list[int]], None]) -> list[str]:
     """Put sglang-omni on ``sys.path`` and install its shims (``contract_lib.child.shims``
     section 6: platform gates, the model, the request builder) before any patch runs,

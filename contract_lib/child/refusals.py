@@ -14,8 +14,9 @@ from contract_lib.workloads import Workload
 
 
 def refuse_workload(loop_spec: loops.LoopSpec, workload: Workload, runner: str) -> None:
-    """Refuse the workload features the loop (or the runner) cannot take
-    (:class:`Unsupported`)."""
+    """Refuse a loop that cannot run here and the workload features the runner cannot
+    take (:class:`Unsupported`); a family's own refusals are its
+    (:meth:`contract_lib.child.families.SGLangFamily.refuse`)."""
     if loop_spec.unsupported:
         raise Unsupported(f"loop {loop_spec.name} ({loop_spec.function}) cannot run here: "
                           f"{loop_spec.unsupported}")
@@ -23,28 +24,6 @@ def refuse_workload(loop_spec: loops.LoopSpec, workload: Workload, runner: str) 
         raise Unsupported(
             "the workload scripts the model-free forward (emit), which --runner real "
             "replaces with a real model; run it with the model-free runner")
-    if loop_spec.family == loops.OMNI:
-        _refuse_on_omni(workload)
-    turns = [r.rid for r in workload.requests if r.turn_of is not None]
-    if loop_spec.disaggregation == loops.PREFILL and turns:
-        raise Unsupported(
-            f"loop {loop_spec.name} does not take turn_of (request {turns[0]!r}): a later "
-            "turn's prompt holds its parent's whole output, which a decode side produces; "
-            "a prefill side emits only the first token (it sets max_new_tokens to 1, "
-            "disaggregation/prefill.py:482), so the turn would be another request than "
-            "on event_loop_normal; run it on a decode loop")
-
-
-def _refuse_on_omni(workload: Workload) -> None:
-    """Aborts and priorities go through SGLang's ingress (``AbortReq``, the request's
-    ``priority``); sglang-omni's ingress is its inbox of pipeline messages, which this
-    project does not script for them."""
-    fields = [f for f in ("abort_at", "priority")
-              if any(getattr(r, f) is not None for r in workload.requests)]
-    if fields:
-        raise Unsupported(f"loop omni does not take {' or '.join(fields)}: aborts and "
-                          "priorities are not scripted through sglang-omni's inbox "
-                          "ingress; run this workload on normal, overlap or mlx")
 
 
 def resolved_args(scheduler) -> dict[str, Any]:

@@ -38,16 +38,15 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from contract_lib.wire.framing import (MESSAGE_TIMEOUT_S, Incoming, WireError, close_fds,
-                                     send)
 from contract_lib.trust import peer_credentials
+from contract_lib.wire.framing import MESSAGE_TIMEOUT_S, Incoming, WireError, close_fds, send
 
 
 def preload() -> None:
     """Import what every run imports (with the import-time shims), nothing run-specific:
     per-loop shims and patches are applied in each forked child, never in the server."""
-    from contract_lib.sources import backports, compat
     from contract_lib.child import shims
+    from contract_lib.sources import backports, compat
 
     shims.import_all()
     shims.install_import_shims()
@@ -56,14 +55,15 @@ def preload() -> None:
     import sglang.srt.hardware_backend.mlx.model_runner_stub  # noqa: F401
     if importlib.util.find_spec("sglang.srt.hardware_backend.mlx.runtime"):  # 0.5.19+
         import sglang.srt.hardware_backend.mlx.runtime  # noqa: F401
+    import mlx_lm.models.llama  # noqa: F401  (the tiny model of the real MLX runner)
     import sglang.srt.hardware_backend.mlx.scheduler_mixin  # noqa: F401
     import sglang.srt.hardware_backend.mlx.tp_worker  # noqa: F401
     import sglang.srt.managers.scheduler  # noqa: F401
+
     # Every model class (the Scheduler build looks its architecture up here): ~1 s of a
     # warm build otherwise, paid once here instead of in every forked run.
     import sglang.srt.models.registry  # noqa: F401
     import sglang.srt.server_args  # noqa: F401
-    import mlx_lm.models.llama  # noqa: F401  (the tiny model of the real MLX runner)
 
     for name in compat.BUILD_IMPORTS:  # what each Scheduler build would import afresh
         with contextlib.suppress(ImportError):  # a release without it
@@ -330,6 +330,7 @@ class WarmServer:
             return pid
         try:
             from contract_lib.child.main import child_run, die_with_parent
+            from contract_lib.wire.spec import RunSpec
 
             die_with_parent(server_pid)
             self._forget_in_child()
@@ -340,7 +341,8 @@ class WarmServer:
             os.environ.update(context["env"])
             tempfile.tempdir = None  # the requester's TMPDIR, not the one the server cached
             sys.path[:] = context["path"]
-            child_run(spec, Connection(write_fd, readable=False), journal_fd)
+            child_run(RunSpec.from_json(spec), Connection(write_fd, readable=False),
+                      journal_fd)
         finally:
             os._exit(0)
 

@@ -28,9 +28,18 @@ import tempfile
 import threading
 import traceback
 
-from contract_lib.cli import run_commands as runs, table_commands as tables, tool_commands as tools
-from contract_lib.cli.options import (EXIT_INTERRUPTED, EXIT_SOFTWARE, EXIT_TERMINATED,
-                                      USAGE_ERRORS, server_arg)
+from contract_lib.cli import (
+    run_commands as runs,
+    table_commands as tables,
+    tool_commands as tools,
+)
+from contract_lib.cli.options import (
+    EXIT_INTERRUPTED,
+    EXIT_SOFTWARE,
+    EXIT_TERMINATED,
+    USAGE_ERRORS,
+    server_arg,
+)
 
 __all__ = ["build_parser", "main", "server_arg"]
 

@@ -10,13 +10,16 @@ from pathlib import Path
 from contract_lib import loops
 from contract_lib.contract import CLAUSE_SETS
 from contract_lib.frames import Frames
-from contract_lib.runs.harness import RUNNERS, RunInterrupted, RunSetupError, run
 from contract_lib.patches.builtin import BUILTIN_PATCHES, PatchError, patch_spec
 from contract_lib.paths import FRAMES_DIR
+from contract_lib.runs.harness import RUNNERS, RunInterrupted, RunSetupError, run
 from contract_lib.sources.origin import file_part as sglang_file_part
+from contract_lib.sources.versions import (
+    SUPPORTED_SGLANG_VERSIONS,
+    SGLangInstallError,
+    UnsupportedSGLangError,
+)
 from contract_lib.verdict import Outcome, loop_mismatch, setup_failed
-from contract_lib.sources.versions import (SUPPORTED_SGLANG_VERSIONS, SGLangInstallError,
-                                   UnsupportedSGLangError)
 from contract_lib.workloads import WorkloadError
 
 USAGE_ERRORS = (RunSetupError, WorkloadError, PatchError, UnsupportedSGLangError,

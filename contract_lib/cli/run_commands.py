@@ -7,15 +7,22 @@ import sys
 from pathlib import Path
 
 from contract_lib import loops
-from contract_lib.cli.options import (add_clauses_option, add_run_options,
-                                      add_sglang_options, add_speed_options,
-                                      add_strict_known_option, fate, file_part,
-                                      run_and_save, sglang_file_part)
-from contract_lib.runs.harness import run
+from contract_lib.cli.options import (
+    add_clauses_option,
+    add_run_options,
+    add_sglang_options,
+    add_speed_options,
+    add_strict_known_option,
+    fate,
+    file_part,
+    run_and_save,
+    sglang_file_part,
+)
 from contract_lib.patches.builtin import patch_spec
 from contract_lib.paths import FRAMES_DIR
-from contract_lib.views.text import run_summary, step_table
+from contract_lib.runs.harness import run
 from contract_lib.verdict import Outcome, setup_failed, worst
+from contract_lib.views.text import run_summary, step_table
 
 
 def cmd_run(args) -> int:
@@ -62,8 +69,8 @@ def cmd_check(args) -> int:
 
 
 def cmd_trace(args) -> int:
-    from contract_lib.sources.origin import resolve, run_sglang
     from contract_lib.campaigns.trace import write_trace
+    from contract_lib.sources.origin import resolve, run_sglang
 
     # Default: the first reference loop beside the first candidate.
     chosen = args.loop or [loops.reference_names()[0],

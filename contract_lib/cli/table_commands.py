@@ -6,11 +6,15 @@ from __future__ import annotations
 import sys
 
 from contract_lib import loops
-from contract_lib.cli.options import (add_clauses_option, add_release_options,
-                                      add_sglang_options, add_speed_options,
-                                      add_strict_known_option)
-from contract_lib.runs.harness import RUNNERS
+from contract_lib.cli.options import (
+    add_clauses_option,
+    add_release_options,
+    add_sglang_options,
+    add_speed_options,
+    add_strict_known_option,
+)
 from contract_lib.patches.builtin import patch_spec
+from contract_lib.runs.harness import RUNNERS
 from contract_lib.verdict import Outcome
 
 

@@ -9,16 +9,23 @@ from pathlib import Path
 from contract_lib import loops
 from contract_lib.cli.options import add_sglang_options
 from contract_lib.contract import CLAUSE_SETS, CLAUSES
-from contract_lib.runs.harness import RunSetupError
 from contract_lib.patches.builtin import patch_spec
+from contract_lib.runs.harness import RunSetupError
 from contract_lib.verdict import Outcome
 
 
 def cmd_search(args) -> int:
-    from contract_lib.campaigns.search import (FOUND_DIR, Campaign, SearchSetupError, prepare,
-                                     search_many, workload_size, write_found)
-
     from tqdm.auto import tqdm
+
+    from contract_lib.campaigns.search import (
+        FOUND_DIR,
+        Campaign,
+        SearchSetupError,
+        prepare,
+        search_many,
+        workload_size,
+        write_found,
+    )
 
     if args.seeds < 1:
         raise RunSetupError("--seeds must be at least 1")

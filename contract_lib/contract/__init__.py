@@ -16,22 +16,54 @@ carries SGLang's own KV pool conservation law (``available + evictable + protect
 uncached == total``, ``InvariantChecker``) evaluated at every step boundary.
 """
 
-from contract_lib.contract.base import (HOLDS, MASKED, NOT_EXERCISED, NOT_PRESENT, VIOLATED,
-                                        VIOLATION_COLUMNS, ClauseResult, NotExercised,
-                                        live_mask)
+from contract_lib.contract import clocks, counters, idle, relay, retired, stamps  # noqa: F401,E402
+from contract_lib.contract.base import (
+                                        HOLDS,
+                                        MASKED,
+                                        NOT_EXERCISED,
+                                        NOT_PRESENT,
+                                        VIOLATED,
+                                        VIOLATION_COLUMNS,
+                                        ClauseResult,
+                                        NotExercised,
+                                        live_mask,
+)
+from contract_lib.contract.known import KnownMatch
+from contract_lib.contract.registry import (
+                                        CLAUSE_OF_FIELD,
+                                        CLAUSE_SETS,
+                                        CLAUSES,
+                                        EXTENDED_FIELDS,
+                                        EXTENSION_CLAUSES,
+                                        EXTENSIONS,
+                                        REGISTRY,
+                                        RFC,
+                                        Clause,
+                                        clause,
+                                        clause_checks,
+                                        extend,
+                                        origin,
+                                        register,
+                                        unregister,
+)
+from contract_lib.contract.report import (
+                                        ABORTED_COLUMNS,
+                                        POOL_ROW,
+                                        ContractViolation,
+                                        KnownUpstreamBug,
+                                        Report,
+                                        RunDidNotFinish,
+                                        UntrustedVerdict,
+                                        VacuousRun,
+                                        aborted_requests,
+                                        assert_contract,
+                                        check,
+                                        check_pool,
+                                        violation_message,
+)
+
 # The clause modules, in clause order: importing one declares its clause.
 from contract_lib.contract.slots import BAD_SLOT_STATES, SLOT_STATES, slot_states
-from contract_lib.contract import counters, stamps, relay, idle, clocks, retired  # noqa: F401,E402
-from contract_lib.contract.registry import (CLAUSE_OF_FIELD, CLAUSE_SETS, CLAUSES,
-                                            EXTENDED_FIELDS, EXTENSION_CLAUSES, EXTENSIONS,
-                                            REGISTRY, RFC, Clause, clause, clause_checks,
-                                            extend, origin, register, unregister)
-from contract_lib.contract.known import KnownMatch
-from contract_lib.contract.report import (ABORTED_COLUMNS, POOL_ROW, ContractViolation,
-                                          KnownUpstreamBug, Report, RunDidNotFinish,
-                                          UntrustedVerdict, VacuousRun,
-                                          aborted_requests, assert_contract, check,
-                                          check_pool, violation_message)
 
 __all__ = [
     "ABORTED_COLUMNS", "BAD_SLOT_STATES", "CLAUSE_OF_FIELD", "CLAUSE_SETS", "CLAUSES",

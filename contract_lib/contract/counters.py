@@ -25,15 +25,31 @@ from __future__ import annotations
 
 import pandas as pd
 
-from contract_lib.contract.base import (HOLDS, VIOLATED, ClauseResult, live, live_mask,
-                                        no_rows, result, violations)
-from contract_lib.contract.emitted import (_emitted_as_produced, _ended_where_sglang_ended_it,
-                                           _first_token_after_the_prompt,
-                                           _retractions_counted, _served,
-                                           _stopped_at_a_stop_token)
-from contract_lib.contract.radix import (_cache_hits_counted_once, _committed_pages,
-                                         _evicted_beyond_need, _released,
-                                         _reused_what_the_tree_kept)
+from contract_lib.contract.base import (
+    HOLDS,
+    VIOLATED,
+    ClauseResult,
+    live,
+    live_mask,
+    no_rows,
+    result,
+    violations,
+)
+from contract_lib.contract.emitted import (
+    _emitted_as_produced,
+    _ended_where_sglang_ended_it,
+    _first_token_after_the_prompt,
+    _retractions_counted,
+    _served,
+    _stopped_at_a_stop_token,
+)
+from contract_lib.contract.radix import (
+    _cache_hits_counted_once,
+    _committed_pages,
+    _evicted_beyond_need,
+    _released,
+    _reused_what_the_tree_kept,
+)
 from contract_lib.contract.registry import clause, extend
 from contract_lib.frames import Frames
 

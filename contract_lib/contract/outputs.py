@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import pandas as pd
 
-from contract_lib.contract.base import first_step_showing
 from contract_lib import loops
-from contract_lib.loops import PREFILL
-from contract_lib.frames import Frames
 from contract_lib.child.shims.model import next_token
+from contract_lib.contract.base import first_step_showing
+from contract_lib.frames import Frames
 
 COLUMNS = ["rid", "index", "step", "expected", "actual"]
 
@@ -62,7 +61,7 @@ def same_tokens(run: Frames, other: Frames) -> dict[str, bool]:
     to 1, ``disaggregation/prefill.py``): that token is what it is compared on."""
     ends = [_finish_reasons(frames) for frames in (run, other)]
     tokens = [frames.output_tokens() for frames in (run, other)]
-    if PREFILL in (loops.known(run.loop).disaggregation, loops.known(other.loop).disaggregation):
+    if loops.known(run.loop).first_token_only or loops.known(other.loop).first_token_only:
         tokens = [{rid: emitted[:1] for rid, emitted in side.items()} for side in tokens]
     same = {}
     for rid in ends[0]:

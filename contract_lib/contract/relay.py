@@ -15,7 +15,7 @@ from __future__ import annotations
 import pandas as pd
 
 from contract_lib import loops
-from contract_lib.contract.base import ClauseResult, HOLDS, ints, result, violations
+from contract_lib.contract.base import HOLDS, ClauseResult, ints, result, violations
 from contract_lib.contract.registry import clause
 from contract_lib.frames import Frames
 

@@ -10,13 +10,24 @@ from typing import Any
 
 import pandas as pd
 
-from contract_lib.contract.base import (NOT_EXERCISED, NOT_PRESENT, VIOLATION_COLUMNS,
-                                        ClauseResult, NotExercised, violations)
+from contract_lib.contract.base import (
+    NOT_EXERCISED,
+    NOT_PRESENT,
+    VIOLATION_COLUMNS,
+    ClauseResult,
+    NotExercised,
+    violations,
+)
 from contract_lib.contract.idle import never_overlapped
 from contract_lib.contract.known import KnownMatch, judge
 from contract_lib.contract.outputs import COLUMNS as OUTPUT_COLUMNS, wrong_outputs
-from contract_lib.contract.registry import (EXTENDED_FIELDS, REGISTRY, Check, clause_checks,
-                                            origin)
+from contract_lib.contract.registry import (
+    EXTENDED_FIELDS,
+    REGISTRY,
+    Check,
+    clause_checks,
+    origin,
+)
 from contract_lib.frames import Frames, run_title
 from contract_lib.verdict import Outcome, Verdict, verdict
 

@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from contract_lib.contract.base import (ClauseResult, NotExercised, ints, live, no_rows,
-                                        result)
+from contract_lib.contract.base import ClauseResult, NotExercised, ints, live, no_rows, result
 from contract_lib.contract.registry import clause
 from contract_lib.frames import Frames
 

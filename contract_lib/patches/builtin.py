@@ -22,9 +22,9 @@ import importlib.util
 import tomllib
 from typing import Callable, Iterable
 
-from contract_lib.sources.compat import req_kv
-from contract_lib.paths import BUG_CATALOG
 from contract_lib.patches.source import PatchError, patch_source
+from contract_lib.paths import BUG_CATALOG
+from contract_lib.sources.compat import req_kv
 
 __all__ = ["BUILTIN_PATCHES", "Patch", "PatchArg", "PatchError", "PatchSpec", "apply_patch",
            "bug_catalog", "patch_source", "patch_spec", "resolve_patch"]

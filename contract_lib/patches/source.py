@@ -6,8 +6,8 @@ the code it expects has moved (an unsupported release).
 """
 
 from __future__ import annotations
-
 import __future__
+
 import inspect
 import re
 import textwrap

@@ -37,8 +37,12 @@ from pathlib import Path
 from typing import Any
 
 from contract_lib.atomic import temporary_name_pattern
-from contract_lib.frames import (SCHEMA_VERSION, Frames, FramesFormatError, parse_payload,
-                                 write_payload)
+from contract_lib.frames import (
+    Frames,
+    FramesFormatError,
+    parse_payload,
+    write_payload,
+)
 from contract_lib.paths import PROJECT_ROOT
 from contract_lib.sources.user_modules import file_hash, module_file
 from contract_lib.trust import UntrustedError, open_owned

@@ -30,6 +30,7 @@ from contract_lib.patches.builtin import PatchSpec
 from contract_lib.paths import PROJECT_ROOT, run_side_files
 from contract_lib.sources.installs import install_stamp, python_files, sglang_environment
 from contract_lib.sources.user_modules import file_hash
+from contract_lib.wire.spec import RunSpec
 
 # In the key: the source of what runs in the run's process, and the model-free config.
 LIBRARY_FILES = run_side_files()
@@ -102,26 +103,25 @@ def _patch_sources(patch: str | None) -> list[Any]:
     return sources
 
 
-def key(spec: dict[str, Any], sglang_dir: Path | None = None) -> str:
-    """The cache key of a run spec (see the module docstring for what goes in);
-    ``sglang_dir`` is the folder the run imports SGLang from (None: the venv): a release
+def key(spec: RunSpec) -> str:
+    """The cache key of a run spec (see the module docstring for what goes in): its
+    identity, the SGLang it imports (its ``sglang_dir``: None the venv's, a release
     folder, a source tree or a scratch copy with diffs, whose content identity the spec
-    carries (``sglang_source``)."""
-    return _digest([SCHEMA_VERSION, spec, _environment_fingerprint(sglang_dir),
-                    _library_fingerprint(), _patch_sources(spec.get("patch")),
-                    sglang_environment(), _named_paths(spec)])
+    carries) and the library's run side."""
+    identity = spec.identity()
+    sglang_dir = None if spec.sglang_dir is None else Path(spec.sglang_dir)
+    return _digest([SCHEMA_VERSION, identity, _environment_fingerprint(sglang_dir),
+                    _library_fingerprint(), _patch_sources(spec.patch),
+                    sglang_environment(), _named_paths(spec.user_server_args())])
 
 
 _SMALL_FILE = 1 << 20  # bytes: a named folder's larger files count by size and mtime
 
 
-def _named_paths(spec: dict[str, Any]) -> list[tuple[str, list]]:
+def _named_paths(args: dict[str, Any]) -> list[tuple[str, list]]:
     """What each server arg that names an existing file or folder holds (``model_path``:
     SGLang reads the model's config there): per file (a folder's own files, not its
     subfolders), its name, size and sha256 (mtime past :data:`_SMALL_FILE`)."""
-    workload = spec.get("workload")
-    args = {**(workload.get("server_args") or {} if isinstance(workload, dict) else {}),
-            **(spec.get("server_args") or {})}
     found = []
     for name, value in sorted(args.items()):
         if isinstance(value, str) and value and os.path.exists(value):

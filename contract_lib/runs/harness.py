@@ -21,7 +21,6 @@ of which the parent reads only the tail. The warm servers themselves outlive the
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import subprocess
@@ -32,30 +31,25 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from contract_lib.runs import fingerprint
-from contract_lib.runs import cache as frame_cache
 from contract_lib import loops
-from contract_lib.wire import journal
 from contract_lib.frames import Frames, run_title
-from contract_lib.paths import MODEL_DIR
 from contract_lib.patches.builtin import PatchArg, patch_spec
+from contract_lib.paths import MODEL_DIR
+from contract_lib.runs import cache as frame_cache, fingerprint
 from contract_lib.runs.pool import POOL, ServerUnavailable, child_env
-from contract_lib.wire.protocol import RunSetupError, collect, frames_of, interrupted_error
-from contract_lib.wire.serverargs import problems, user_server_args
-from contract_lib.sources.origin import Source, is_path
-from contract_lib.sources.origin import resolve as resolve_sglang
+from contract_lib.sources.omni_release import companion
+from contract_lib.sources.origin import Source, is_path, resolve as resolve_sglang
 from contract_lib.sources.versions import require_supported_sglang
+from contract_lib.wire import journal
+from contract_lib.wire.protocol import RunSetupError, collect, frames_of, interrupted_error
+from contract_lib.wire.serverargs import problems
+from contract_lib.wire.spec import REAL, RUNNERS, RunSpec
 from contract_lib.workloads import Workload, load_workload, require_seconds
 
 # The registered loops (:mod:`contract_lib.loops`), and those ``status`` and ``audit``
 # run by default (SGLang's own); kept as names for callers of the public API.
 LOOPS = loops.names()
 SGLANG_LOOPS = loops.default_names()
-# ``model-free``: every loop's forward is a deterministic next-token function
-# (:mod:`contract_lib.child.shims`). ``real`` (MLX loop only): SGLang's own ``MlxModelRunner``
-# runs the tiny mlx-lm model of :mod:`contract_lib.sources.tiny_model` on MLX's CPU backend, so
-# its KV pool syncs and radix reads are real (tables ``kv_syncs`` and ``kv_pool``).
-RUNNERS = ("model-free", "real")
 
 # Extra patches applied to *every* run, after the run's own (``+``-separated): a way to
 # break or fix a clause across a whole suite, e.g. to see that the notebooks' compared
@@ -134,12 +128,35 @@ def run(
     Ctrl-C while the run is in progress (or setting ``cancel`` from another thread) kills
     the child and raises :class:`RunInterrupted` carrying the frames captured so far.
     """
+    spec, meta, hang_timeout = _run_spec(workload, loop, patch, server_args, hang_timeout,
+                                         capture, audit, runner, sglang, diff)
+    use_cache = cache and capture and frame_cache.enabled()
+    if use_cache:
+        run_key = fingerprint.key(spec)
+        hit = frame_cache.load(run_key, meta)
+        if hit is not None:
+            return hit
+    frames = _execute(spec, meta, hang_timeout, warm, cancel)
+    if frames.status == "interrupted":
+        raise RunInterrupted(f"{run_title(meta)} stopped after {meta['steps']} steps",
+                             frames=frames)
+    if use_cache:
+        frame_cache.store(run_key, frames)
+    return frames
+
+
+def _run_spec(workload: str | Workload, loop: str, patch: PatchArg,
+              server_args: dict[str, Any] | None, hang_timeout: float | None, capture: bool,
+              audit: bool, runner: str, sglang, diff) -> tuple[RunSpec, dict[str, Any], float]:
+    """The run's spec (validated once: the loop, runner, release, workload, hang limit,
+    patches; the release installed and a source tree checked or a diff copy built on
+    first use), its meta before it runs, and its hang limit in seconds."""
     if loop not in loops.LOOP_SPECS:
         raise RunSetupError(f"unknown loop {loop!r}; valid loops: {', '.join(loops.names())}")
     loop_spec = loops.spec(loop)
     if runner not in RUNNERS:
         raise RunSetupError(f"unknown runner {runner!r}; valid runners: {', '.join(RUNNERS)}")
-    if runner == "real" and not loop_spec.mlx:
+    if runner == REAL and not loop_spec.mlx:
         raise RunSetupError(
             "runner 'real' is SGLang's MlxModelRunner, which only the mlx loop uses; the "
             "torch loops stay model-free (compare a real run with "
@@ -152,67 +169,37 @@ def run(
         sglang = sglang or loop_spec.sglang
     if not isinstance(sglang, Source) and not is_path(sglang):
         require_supported_sglang(sglang)  # fail fast, before the workload is read
-    if not isinstance(workload, Workload):
+    if isinstance(workload, Workload):  # made in Python: validated here
+        workload.validate(f"workload {workload.name!r}")
+    else:  # read from a file: validated as it is read
         workload = load_workload(workload)
-    workload.validate(f"workload {workload.name!r}")
     if hang_timeout is not None:
         hang_timeout = require_seconds(hang_timeout, "the hang limit (max seconds)")
     hang_timeout = hang_timeout or workload.max_seconds or DEFAULT_HANG_TIMEOUT_S
     model_dir = _model_dir(runner)
     workload.check_vocabulary(_vocab_size(model_dir), f"workload {workload.name!r}")
-    spec = {
-        "workload": workload.to_dict(),
-        "loop": loop,
-        "loop_spec": dataclasses.asdict(loop_spec),  # the child may not have it registered
-        "patch": patch_spec([patch, os.environ.get(EXTRA_PATCH_ENV)]),
-        "server_args": dict(server_args or {}),
-        "capture": capture,
-        "audit": audit,
-        "runner": runner,
-    }
     source = resolve_sglang(sglang, diff)  # installs a release / builds a copy on first use
-    spec["sglang"] = source.version
-    if source.identity:
-        spec["sglang_source"] = source.identity
-    meta = {
-        "workload": workload.name,
-        "loop": loop,
-        "patch": spec["patch"],
-        "server_args": {**workload.server_args, **spec["server_args"]},
-        "sglang_version": source.label,
-        "runner": runner,
-    }
-    sglang_dir = source.sglang_dir
-    omni_dir = None
-    if loop_spec.family == loops.OMNI:
-        from contract_lib.sources import omni_release as omni
-
-        omni_dir = omni.omni_path()  # installs sglang-omni on first use
-        spec["omni"] = {"version": omni.OMNI_VERSION, "files": omni.install_stamp(omni_dir)}
-        meta["omni_version"] = omni.OMNI_VERSION
-    use_cache = cache and capture and frame_cache.enabled()
-    if use_cache:
-        run_key = fingerprint.key(spec, sglang_dir)
-        hit = frame_cache.load(run_key, meta)
-        if hit is not None:
-            return hit
-    child_spec = {**spec, "sglang_dir": None if sglang_dir is None else str(sglang_dir),
-                  "omni_dir": None if omni_dir is None else str(omni_dir)}
-    if runner == "real":
-        child_spec["model_dir"] = str(model_dir)
-    frames = _execute(child_spec, meta, hang_timeout, warm, sglang_dir, cancel)
-    if frames.status == "interrupted":
-        raise RunInterrupted(f"{run_title(meta)} stopped after {meta['steps']} steps",
-                             frames=frames)
-    if use_cache:
-        frame_cache.store(run_key, frames)
-    return frames
+    omni, omni_dir = companion(loop_spec)  # loop omni: sglang-omni, installed on first use
+    spec = RunSpec(
+        workload=workload, loop=loop_spec,
+        patch=patch_spec([patch, os.environ.get(EXTRA_PATCH_ENV)]),
+        server_args=dict(server_args or {}), runner=runner, capture=capture, audit=audit,
+        sglang=source.version, sglang_source=source.identity or None, omni=omni,
+        sglang_dir=None if source.sglang_dir is None else str(source.sglang_dir),
+        omni_dir=None if omni_dir is None else str(omni_dir),
+        model_dir=str(model_dir) if runner == REAL else None)
+    meta = {"workload": workload.name, "loop": loop, "patch": spec.patch,
+            "server_args": spec.user_server_args(), "sglang_version": source.label,
+            "runner": runner}
+    if omni is not None:
+        meta["omni_version"] = omni["version"]
+    return spec, meta, hang_timeout
 
 
 def _model_dir(runner: str) -> Path:
     """The model folder a run's Scheduler loads (the real runner's tiny model is built
     on first use)."""
-    if runner == "real":
+    if runner == REAL:
         from contract_lib.sources.tiny_model import tiny_model_dir
 
         return tiny_model_dir()
@@ -271,8 +258,7 @@ def frames_or_raise(results: list[Frames | BaseException]) -> list[Frames]:
     return results
 
 
-def _execute(spec: dict[str, Any], meta: dict[str, Any], hang_timeout: float,
-             warm: bool, sglang_dir: Path | None = None,
+def _execute(spec: RunSpec, meta: dict[str, Any], hang_timeout: float, warm: bool,
              cancel: threading.Event | None = None) -> Frames:
     """Start the child (forked from a warm server of the run's SGLang release, or a cold
     interpreter with the same ``PYTHONPATH``) and collect. Whatever ends the wait (the
@@ -288,8 +274,7 @@ def _execute(spec: dict[str, Any], meta: dict[str, Any], hang_timeout: float,
         child = None
         try:
             try:
-                child = _start(spec, write_fd, log.fileno(), journal_fd, warm, sglang_dir,
-                               cancel)
+                child = _start(spec, write_fd, log.fileno(), journal_fd, warm, cancel)
             finally:
                 os.close(write_fd)
             return collect(receiver, stored, child, meta, hang_timeout, log.fileno(),
@@ -305,16 +290,17 @@ def _execute(spec: dict[str, Any], meta: dict[str, Any], hang_timeout: float,
                 child.wait()
 
 
-def _start(spec: dict[str, Any], write_fd: int, log_fd: int, journal_fd: int, warm: bool,
-           sglang_dir: Path | None, cancel: threading.Event | None):
+def _start(spec: RunSpec, write_fd: int, log_fd: int, journal_fd: int, warm: bool,
+           cancel: threading.Event | None):
     """The run's child: forked by the warm server of the run's SGLang folder
     (:mod:`contract_lib.runs.pool`; started on first use), else a cold interpreter (``warm``
     false, servers switched off, or no server could be used: one warning). Warm: the
     run's server args are checked against the release's ``ServerArgs`` first."""
-    server = POOL.acquire(sglang_dir, spec.get("sglang_source")) if warm else None
+    sglang_dir = None if spec.sglang_dir is None else Path(spec.sglang_dir)
+    server = POOL.acquire(sglang_dir, spec.sglang_source) if warm else None
     if server is not None:
         try:
-            found = problems(user_server_args(spec), server.server_arg_kinds(cancel))
+            found = problems(spec.user_server_args(), server.server_arg_kinds(cancel))
             if found:
                 raise RunSetupError("; ".join(found))
             return server.start_run(spec, write_fd, log_fd, journal_fd, cancel)
@@ -327,7 +313,7 @@ def _start(spec: dict[str, Any], write_fd: int, log_fd: int, journal_fd: int, wa
         stdin=subprocess.PIPE, stdout=log_fd, stderr=log_fd, pass_fds=(write_fd, journal_fd),
         env=child_env(sglang_dir), start_new_session=True)
     try:
-        child.stdin.write(json.dumps(spec).encode())
+        child.stdin.write(json.dumps(spec.to_json()).encode())
         child.stdin.close()
     except BaseException:
         child.kill()

@@ -40,12 +40,21 @@ import time
 import warnings
 from pathlib import Path
 
-from contract_lib.runs import fingerprint
-from contract_lib.wire.serverdir import (  # noqa: F401  (IDLE_ENV, SERVER_*_ENV: re-exported)
-    IDLE_ENV, SERVER_DIR_ENV, SERVER_SWITCH_ENV, ServerUnavailable, enabled, idle_seconds,
-    locked, private_dir, server_dir, server_key)
-from contract_lib.wire.framing import WireError, recv, send
 from contract_lib.trust import UntrustedError, check_owned, open_owned, require_same_user
+from contract_lib.wire.framing import WireError, recv, send
+from contract_lib.wire.serverdir import (  # noqa: F401  (IDLE_ENV, SERVER_*_ENV: re-exported)
+    IDLE_ENV,
+    SERVER_DIR_ENV,
+    SERVER_SWITCH_ENV,
+    ServerUnavailable,
+    enabled,
+    idle_seconds,
+    locked,
+    private_dir,
+    server_dir,
+    server_key,
+)
+from contract_lib.wire.spec import RunSpec
 
 START_TIMEOUT_S = 180.0  # importing SGLang takes 5-6 s; under load much longer
 # Seconds between checks of a cancel event while waiting for a server's reply.
@@ -182,11 +191,11 @@ class Server:
             assert kind == "server-arg-types", kind
         return self.arg_kinds
 
-    def start_run(self, spec: dict, write_fd: int, log_fd: int, journal_fd: int,
+    def start_run(self, spec: RunSpec, write_fd: int, log_fd: int, journal_fd: int,
                   cancel: threading.Event | None = None) -> "WarmChild":
         context = {"cwd": os.getcwd(), "path": _child_path(self.sglang_dir),
                    "env": child_env(self.sglang_dir)}
-        sock, (kind, pid) = self.open(("run", spec, context),
+        sock, (kind, pid) = self.open(("run", spec.to_json(), context),
                                       [write_fd, log_fd, journal_fd], cancel)
         assert kind == "pid", kind
         return WarmChild(sock, pid)

@@ -7,7 +7,6 @@ of :mod:`contract_lib.sources.compat`.
 
 from __future__ import annotations
 
-
 # Model types <= 0.5.19 registers with transformers' ``AutoConfig`` that the venv's
 # transformers ships itself (0.5.20 registers them with ``exist_ok=True``).
 _CONFIGS_TRANSFORMERS_SHIPS = ("qwen3_asr", "qwen3_asr_thinker")

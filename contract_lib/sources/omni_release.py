@@ -23,9 +23,9 @@ import hashlib
 import os
 from pathlib import Path
 
-from contract_lib.sources.installs import python_files
-from contract_lib.loops import spec as loop_spec
+from contract_lib.loops import OMNI, LoopSpec, spec as loop_spec
 from contract_lib.paths import PROJECT_ROOT
+from contract_lib.sources.installs import python_files
 from contract_lib.sources.versions import install_target, trusted_install
 
 OMNI_VERSION = "0.1.9"
@@ -66,3 +66,13 @@ def install_stamp(folder: Path) -> str:
     for relative, stat in python_files(folder):
         digest.update(f"{relative}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
     return digest.hexdigest()[:16]
+
+
+def companion(loop: LoopSpec) -> tuple[dict[str, str] | None, Path | None]:
+    """What a run of ``loop`` imports beside SGLang: for sglang-omni's loop, its release
+    (version and install stamp, part of the run's identity) and folder, installed on
+    first use; (None, None) for every other loop."""
+    if loop.family != OMNI:
+        return None, None
+    folder = omni_path()
+    return {"version": OMNI_VERSION, "files": install_stamp(folder)}, folder

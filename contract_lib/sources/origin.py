@@ -34,8 +34,11 @@ from typing import Any, Sequence
 from contract_lib import loops
 from contract_lib.sources.diffs import COMPLETE, DIFFS_DIR_ENV, with_diffs
 from contract_lib.sources.trees import Source, SourceError, tree_digest, tree_source
-from contract_lib.sources.versions import (SUPPORTED_SGLANG_VERSIONS, require_supported_sglang,
-                                   sglang_path)
+from contract_lib.sources.versions import (
+    SUPPORTED_SGLANG_VERSIONS,
+    require_supported_sglang,
+    sglang_path,
+)
 
 __all__ = ["COMPLETE", "DIFFS_DIR_ENV", "Source", "SourceError", "file_part", "is_path",
            "resolve", "run_sglang", "tree_digest"]

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from contract_lib.atomic import atomic_write
-from contract_lib.sources.installs import python_files
 from contract_lib.paths import PROJECT_ROOT
+from contract_lib.sources.installs import python_files
 from contract_lib.sources.versions import SUPPORTED_SGLANG_VERSIONS, UnsupportedSGLangError
 
 TREE_HASHES_DIR = PROJECT_ROOT / ".cache" / "sglang-trees"

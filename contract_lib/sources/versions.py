@@ -21,9 +21,9 @@ import threading
 import time
 from pathlib import Path
 
+from contract_lib.paths import PROJECT_ROOT
 from contract_lib.sources.compat import RELEASE_REQUIREMENTS, SUPPORTED_SGLANG_VERSIONS
 from contract_lib.sources.installs import installed_version
-from contract_lib.paths import PROJECT_ROOT
 from contract_lib.trust import UntrustedError, own_directory
 
 RELEASES_DIR_ENV = "CONTRACT_LIB_SGLANG_DIR"

@@ -22,25 +22,54 @@ for two runs of the same input.
 """
 
 from contract_lib.views.audit_figures import audit_cadences, audit_table, beyond_rfc_text
+from contract_lib.views.catalog_tables import (
+                                           bug_card,
+                                           crash_summary,
+                                           frames_around,
+                                           report_table,
+                                           text_table,
+)
 from contract_lib.views.comparison import clause_comparison, later_turns
 from contract_lib.views.counter_figures import counter_drift, radix_reuse, radix_reuse_table
-from contract_lib.views.extension_figures import (clock_table, memory_pressure, memory_table,
-                                           retired_lanes, scheduling_clock)
+from contract_lib.views.extension_figures import (
+                                           clock_table,
+                                           memory_pressure,
+                                           memory_table,
+                                           retired_lanes,
+                                           scheduling_clock,
+)
 from contract_lib.views.idle_figures import idle_predicate
-from contract_lib.views.kvpool_figures import (damage_by_workload, damage_summary, damage_table,
-                                       kv_pool_verdicts, kv_writes, same_tables, token_table)
+from contract_lib.views.kvpool_figures import (
+                                           damage_by_workload,
+                                           damage_summary,
+                                           damage_table,
+                                           kv_pool_verdicts,
+                                           kv_writes,
+                                           same_tables,
+                                           token_table,
+)
 from contract_lib.views.launch_figures import launch_kinds, launch_timeline
-from contract_lib.views.notebook import (Stop, check_switches, checked_run, md, setup,
-                                        verdict_line)
+from contract_lib.views.notebook import (
+                                           Stop,
+                                           check_switches,
+                                           checked_run,
+                                           md,
+                                           setup,
+                                           verdict_line,
+)
 from contract_lib.views.relay_figures import relay_events
 from contract_lib.views.slot_figures import SLOT_COLOURS, slot_grid, slot_rows
 from contract_lib.views.stamp_figures import stamps_table, step_stamps
 from contract_lib.views.style import panels, run_label, wrap
-from contract_lib.views.catalog_tables import (bug_card, crash_summary, frames_around, report_table,
-                                       text_table)
-from contract_lib.views.triage import (clause_view, first_violation, recorded_summary,
-                                       step_explorer, step_figure, step_snapshot,
-                                       triage_focus)
+from contract_lib.views.triage import (
+                                           clause_view,
+                                           first_violation,
+                                           recorded_summary,
+                                           step_explorer,
+                                           step_figure,
+                                           step_snapshot,
+                                           triage_focus,
+)
 
 __all__ = [
     "SLOT_COLOURS", "audit_cadences", "audit_table", "beyond_rfc_text", "bug_card",

@@ -9,9 +9,16 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from contract_lib import loops
-from contract_lib.views.style import (GREEN, ORANGE, SALMON, SKY, VERMILLION, figure,
-                                      legend, titles)
-
+from contract_lib.views.style import (
+    GREEN,
+    ORANGE,
+    SALMON,
+    SKY,
+    VERMILLION,
+    figure,
+    legend,
+    titles,
+)
 
 _CADENCE_COLOURS = {
     "every decode launch": GREEN, "fresh decode launches only": ORANGE,

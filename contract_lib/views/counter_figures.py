@@ -15,11 +15,21 @@ from matplotlib.patches import Patch
 from contract_lib import loops
 from contract_lib.contract import live_mask
 from contract_lib.frames import Frames
+from contract_lib.views.style import (
+    BLACK,
+    BLUE,
+    GREEN,
+    GREY,
+    VERMILLION,
+    int_ticks,
+    labels_for,
+    legend,
+    panels,
+    post_steps,
+    request_rows,
+    titles,
+)
 from contract_lib.workloads import Workload, load_workload
-from contract_lib.views.style import (BLACK, BLUE, GREEN, GREY, VERMILLION, int_ticks,
-                                      labels_for, legend, panels, post_steps, request_rows,
-                                      titles)
-
 
 COUNTER_STYLES = [
     ("kv_computed", "kv_computed (ground truth: positions the forward computed)",

@@ -13,9 +13,23 @@ from matplotlib.patches import Patch
 
 from contract_lib.contract import check, live_mask
 from contract_lib.frames import Frames
-from contract_lib.views.style import (BLACK, BLUE, GREY, LIGHT_GREEN, LIGHT_GREY, ORANGE,
-                                      SALMON, STEP_LABEL, VERMILLION, count_axes, int_ticks,
-                                      legend, panels, post_steps, titles)
+from contract_lib.views.style import (
+    BLACK,
+    BLUE,
+    GREY,
+    LIGHT_GREEN,
+    LIGHT_GREY,
+    ORANGE,
+    SALMON,
+    STEP_LABEL,
+    VERMILLION,
+    count_axes,
+    int_ticks,
+    legend,
+    panels,
+    post_steps,
+    titles,
+)
 
 
 def clock_table(frames: Frames) -> pd.DataFrame:

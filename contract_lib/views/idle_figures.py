@@ -10,9 +10,16 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from contract_lib.frames import Frames
-from contract_lib.views.style import (BLACK, BLUE, LIGHT_GREEN, VERMILLION, int_ticks,
-                                      legend, panels, titles)
-
+from contract_lib.views.style import (
+    BLACK,
+    BLUE,
+    LIGHT_GREEN,
+    VERMILLION,
+    int_ticks,
+    legend,
+    panels,
+    titles,
+)
 
 _IDLE_CELLS = [
     ("empty", "nothing in flight", "white"),

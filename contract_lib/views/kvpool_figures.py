@@ -9,12 +9,23 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
-from contract_lib.frames import Frames
 from contract_lib.contract.kv_damage import summary_table
-from contract_lib.views.style import (BROWN, GREEN, LIGHT_GREEN, LIGHT_GREY, PURPLE, SALMON,
-                                      SKY, VERMILLION, int_ticks, labels_for, legend,
-                                      panels, titles)
-
+from contract_lib.frames import Frames
+from contract_lib.views.style import (
+    BROWN,
+    GREEN,
+    LIGHT_GREEN,
+    LIGHT_GREY,
+    PURPLE,
+    SALMON,
+    SKY,
+    VERMILLION,
+    int_ticks,
+    labels_for,
+    legend,
+    panels,
+    titles,
+)
 
 WRITE_TARGETS = {
     "own": ("the writer's own slot", LIGHT_GREEN),

@@ -11,9 +11,16 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from contract_lib.frames import Frames
-from contract_lib.views.style import (BLUE, ORANGE, SKY, int_ticks, legend, panels,
-                                      post_steps, titles)
-
+from contract_lib.views.style import (
+    BLUE,
+    ORANGE,
+    SKY,
+    int_ticks,
+    legend,
+    panels,
+    post_steps,
+    titles,
+)
 
 _LAUNCH_KINDS = [
     ("prefill", "fresh launch: extend / mixed (prefill)", SKY, "//"),

@@ -9,8 +9,16 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from contract_lib.frames import Frames
-from contract_lib.views.style import (BLUE, GREEN, VERMILLION, YELLOW, int_ticks, legend,
-                                      panels, titles)
+from contract_lib.views.style import (
+    BLUE,
+    GREEN,
+    VERMILLION,
+    YELLOW,
+    int_ticks,
+    legend,
+    panels,
+    titles,
+)
 
 
 def relay_events(*runs: Frames, labels: Sequence[str] | None = None) -> Figure:

@@ -13,10 +13,22 @@ from matplotlib.patches import Patch
 
 from contract_lib.contract import live_mask, slot_states
 from contract_lib.frames import Frames
-from contract_lib.views.style import (BLACK, BLUE, BROWN, LIGHT_GREEN, LIGHT_GREY, PURPLE,
-                                      SALMON, VERMILLION, int_ticks, legend, panels,
-                                      post_steps, request_rows, titles)
-
+from contract_lib.views.style import (
+    BLACK,
+    BLUE,
+    BROWN,
+    LIGHT_GREEN,
+    LIGHT_GREY,
+    PURPLE,
+    SALMON,
+    VERMILLION,
+    int_ticks,
+    legend,
+    panels,
+    post_steps,
+    request_rows,
+    titles,
+)
 
 SLOT_COLOURS = {
     "recorded": ("a real slot of this request", LIGHT_GREEN),

@@ -11,9 +11,20 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from contract_lib.frames import Frames
-from contract_lib.views.style import (BLACK, BLUE, GREEN, GREY, VERMILLION, figure,
-                                      int_ticks, labels_for, legend, no_frames, post_steps,
-                                      titles)
+from contract_lib.views.style import (
+    BLACK,
+    BLUE,
+    GREEN,
+    GREY,
+    VERMILLION,
+    figure,
+    int_ticks,
+    labels_for,
+    legend,
+    no_frames,
+    post_steps,
+    titles,
+)
 
 
 def stamps_table(frames: Frames) -> pd.DataFrame:

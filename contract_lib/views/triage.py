@@ -14,8 +14,15 @@ from contract_lib.contract import Report, check, live_mask, violation_message
 from contract_lib.frames import Frames
 from contract_lib.views.counter_figures import COUNTER_STYLES
 from contract_lib.views.slot_figures import SLOT_COLOURS, slot_rows
-from contract_lib.views.style import (GREY, int_ticks, post_steps, request_rows, run_label,
-                                      titles, wrap)
+from contract_lib.views.style import (
+    GREY,
+    int_ticks,
+    post_steps,
+    request_rows,
+    run_label,
+    titles,
+    wrap,
+)
 from contract_lib.workloads import Workload, load_workload
 
 
@@ -229,7 +236,14 @@ def clause_view(frames: Frames, report: Report, *others: Frames,
     (clause 1), the counters (2), the stamps (3), the relay events (4), the idle-predicate
     lanes (5), the HRRN clock (6), the backend state lanes (7); None when no clause is
     violated."""
-    from contract_lib.views import counter_figures as counters, extension_figures as extensions, idle_figures as idle, relay_figures as relay, slot_figures as slots, stamp_figures as stamps
+    from contract_lib.views import (
+        counter_figures as counters,
+        extension_figures as extensions,
+        idle_figures as idle,
+        relay_figures as relay,
+        slot_figures as slots,
+        stamp_figures as stamps,
+    )
 
     first = first_violation(report)
     if first is None:

@@ -29,8 +29,8 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from contract_lib.wire import journal
 from contract_lib.frames import COLUMNS, Frames
+from contract_lib.wire import journal
 
 META, UPDATE, ROWS, END = "meta", "update", "rows", "end"
 

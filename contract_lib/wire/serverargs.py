@@ -24,12 +24,6 @@ _KINDS = {bool: "bool", int: "int", float: "float", str: "str", list: "list",
 Kinds = dict[str, "tuple[str, ...] | None"]
 
 
-def user_server_args(spec: dict[str, Any]) -> dict[str, Any]:
-    """A run spec's server args as the workload and the caller set them (the base ones
-    are known good)."""
-    return {**spec["workload"]["server_args"], **spec["server_args"]}
-
-
 def accepted_kinds(server_args_class: type) -> Kinds:
     """The kinds each field of ``server_args_class`` accepts (run where SGLang is imported)."""
     return {name: _accepted(tp) for name, tp in _field_types(server_args_class).items()}

@@ -27,8 +27,8 @@ import os
 import sys
 from pathlib import Path
 
-from contract_lib.sources.installs import sglang_environment
 from contract_lib.paths import PACKAGE_DIR, PROJECT_ROOT
+from contract_lib.sources.installs import sglang_environment
 from contract_lib.trust import UntrustedError, open_owned, own_directory
 
 SERVER_DIR_ENV = "CONTRACT_LIB_SERVER_DIR"

@@ -50,7 +50,6 @@ from contract_lib.lazy import lazy_getattr
 _MODULE_OF = {
     "BackendStateRecorder": "backend_state",
     "free_slot_mask": "batches",
-    "OmniRequestError": "recorder",
     "Recorder": "recorder",
     "StepBudgetExceeded": "recorder",
     "StopRun": "recorder",

@@ -7,9 +7,7 @@ import numpy as np
 
 from contract_lib.child.capture.backend_state import BackendStateRecorder
 from contract_lib.child.capture.evictions import EvictionRecorder
-from contract_lib.loops import DECODE
-from contract_lib.sources.compat import req_kv, step_boundary
-
+from contract_lib.sources.compat import req_kv
 
 _FEW = 32  # lanes a decode write's index may have to be applied entry by entry
 
@@ -29,18 +27,13 @@ class HookInstaller:
 
     def install(self) -> None:
         s = self.s
-        owner, boundary = (s, "recv_requests") if self.omni else step_boundary(s)
+        owner, boundary = self.family.boundary(s)
         real_ingest = getattr(owner, boundary)
-        real_add = s._add_request_to_queue
         real_process = s.process_batch_result
 
         def ingest_requests(*args, **kwargs):
             self.on_step_boundary()
             return real_ingest(*args, **kwargs)
-
-        def add_request_to_queue(req, *args, **kwargs):
-            self.reqs.setdefault(req.rid, req)
-            return real_add(req, *args, **kwargs)
 
         def process_batch_result(batch, result, *args, **kwargs):
             self.on_processed(batch, result)
@@ -48,30 +41,17 @@ class HookInstaller:
 
         setattr(owner, boundary, ingest_requests)
         self._install_abort_output_hook()
-        if self.omni:
-            real_build = s.request_builder
-
-            def request_builder(payload):
-                data = real_build(payload)
-                self.reqs.setdefault(data.req.rid, data.req)
-                return data
-
-            s.request_builder = request_builder
-        else:
-            s._add_request_to_queue = add_request_to_queue
+        self.family.watch_admissions(s, lambda req: self.reqs.setdefault(req.rid, req))
         if not self.capture:
             return  # feed and stop only: the baseline for the capture overhead
         s.process_batch_result = process_batch_result
         self._install_row_write_hook()
-        if self.omni:
-            self._install_omni_resolve_hook()
         self._install_relay_hooks()
         if self.effects is not None:
             self.effects.install(s)
         if self.mlx:
             self._install_mlx_launch_hooks()
-        if self.disaggregation == DECODE:
-            self._install_prebuilt_hook()
+        self.family.install_hooks(self)
         self.backend = BackendStateRecorder(self.s)
         EvictionRecorder(self.s, lambda: self.step,
                          lambda row: self._emit_rows([("evictions", row)]))

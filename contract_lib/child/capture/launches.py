@@ -3,8 +3,13 @@ result is processed, and the FutureMap's relay reads and writes."""
 
 from __future__ import annotations
 
-from contract_lib.child.capture.batches import (length, mode_name, prefill_lanes, prefilled_tokens,
-                                          tolist)
+from contract_lib.child.capture.batches import (
+    length,
+    mode_name,
+    prefill_lanes,
+    prefilled_tokens,
+    tolist,
+)
 from contract_lib.sources.compat import mlx_launch_parts, req_kv
 
 

@@ -4,7 +4,6 @@ its hooks, launch records and snapshot are the three parts it is built from."""
 from __future__ import annotations
 
 import collections
-import contextlib
 from typing import Any, Callable
 
 import numpy as np
@@ -13,9 +12,9 @@ from contract_lib.child.capture.batches import NumpyView
 from contract_lib.child.capture.hooks import HookInstaller
 from contract_lib.child.capture.launches import LaunchRecording
 from contract_lib.child.capture.snapshot import StepSnapshot
-from contract_lib.loops import DECODE, OMNI, PREFILL, LoopSpec
-from contract_lib.child.shims import (abort_request, bootstrap_fields, omni_request_message,
-                                tokenized_request)
+from contract_lib.child.families import SGLangFamily, family_of
+from contract_lib.child.shims import abort_request
+from contract_lib.loops import LoopSpec
 from contract_lib.workloads import RequestSpec, Workload
 
 Emit = Callable[[tuple], None]
@@ -48,10 +47,6 @@ class StopRun(RunEnd):
     """Raised at a step boundary once the workload is done (every request finished)."""
 
 
-class OmniRequestError(RuntimeError):
-    """sglang-omni put an error for a request into its outbox (a failed batch)."""
-
-
 class StepBudgetExceeded(RunEnd):
     """Raised at a step boundary past the workload's ``max_steps``."""
 
@@ -78,8 +73,8 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
             self.effects = EffectsRecorder()
         self.loop = loop_spec.name
         self.mlx = loop_spec.mlx  # the MLX mixin's launch hooks and relay import
-        self.omni = loop_spec.family == OMNI  # sglang-omni's ingress, resolve and queue
-        self.disaggregation = loop_spec.disaggregation  # PD role: bootstrap, queues, prebuilt
+        # How the loop's scheduler is fed and where it keeps work between steps.
+        self.family: SGLangFamily = family_of(loop_spec)
         self.handed_off: set[str] = set()  # decode side: requests whose KV was transferred
         self.workload = workload
         self.emit = emit
@@ -127,8 +122,7 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
             self._emit_effects()
         if self.capture:
             self.snapshot()
-        if self.omni:
-            self._raise_omni_errors()
+        self.family.check_errors(self.s)
         if self.done():
             self.ending = StopRun()
         elif self.step >= self.workload.max_steps:
@@ -142,21 +136,6 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
             self.effects.step = self.step
             self.effects.active = True
 
-    def _raise_omni_errors(self) -> None:
-        """Make a request error sglang-omni reported end the run (crashed).
-
-        Its loop catches a failing batch (``run_batch``, ``handle_batch_failure``),
-        aborts the batch's requests and carries on; the error only goes to the outbox
-        for the next pipeline stage. Without this, a run whose forward raised would
-        finish with aborted requests and hold every clause vacuously."""
-        for message in list(self.s.outbox.queue):
-            if message.type == "error":
-                error = message.data
-                raise OmniRequestError(
-                    f"sglang-omni reported an error for request {message.request_id!r}: "
-                    f"{type(error).__name__}: {error}") from (
-                        error if isinstance(error, BaseException) else None)
-
     def _emit_effects(self) -> None:
         self._emit_rows([("effects", row) for row in self.effects.take(self.loop)])
 
@@ -164,7 +143,7 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
         return (len(self.fed) == len(self.workload.requests)
                 and all(self.ended(req) for req in self.reqs.values())
                 and len(self.reqs) == len(self.workload.requests)
-                and self._in_flight() == 0 and not self._disagg_queued())
+                and self._in_flight() == 0 and not self.family.queued(self.s))
 
     def ended(self, req) -> bool:
         """Finished, or ended by an ``AbortReq`` output (SGLang pops a request aborted
@@ -172,63 +151,9 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
         return bool(req.finished()) or req.rid in self.abort_outputs
 
     def _in_flight(self) -> int:
-        """Launched steps not yet processed that the loop carries to its next iteration:
-        SGLang's overlap loops' ``result_queue``; omni's lookahead step (``async_pending``)."""
-        if self.omni:
-            return int(self.s.async_pending is not None)
-        return len(getattr(self.s, "result_queue", ()) or ())
-
-    def _disagg_queued(self) -> int | None:
-        """Requests in the PD-disaggregation queues SGLang's ``is_fully_idle`` reads
-        (``managers/scheduler.py:5373-5381``): prefill's bootstrap and inflight (transfer)
-        queues; decode's preallocation (and retracted) and transfer queues, and its held
-        releases of transfers aborted midway (one, however many). None on another loop."""
-        if not self.disaggregation:
-            return None
-        held = (self.s.disagg_decode_transfer_queue.has_pending_deferred_releases()
-                if self.disaggregation == DECODE else False)
-        return len(self._disagg_parked(waiting=False)) + int(held)
-
-    def _retracted_parked(self) -> int:
-        """A decode side's retracted requests waiting to resume (0 on other loops)."""
-        if self.disaggregation != DECODE:
-            return 0
-        return len(self.s.disagg_decode_prealloc_queue.retracted_queue)
-
-    def _disagg_parked(self, waiting: bool) -> list:
-        """The requests a PD-disaggregation loop keeps in its queues rather than in a
-        batch (prefill: bootstrap, inflight; decode: preallocation, retracted, transfer,
-        and with ``waiting`` its waiting queue, whose requests hold their transferred KV
-        until a prebuilt batch admits them, ``managers/scheduler.py:5357-5359``)."""
-        s = self.s
-        if self.disaggregation == PREFILL:
-            return [*s.disagg_prefill_bootstrap_queue.queue, *s.disagg_prefill_inflight_queue]
-        if self.disaggregation == DECODE:
-            prealloc, transfer = s.disagg_decode_prealloc_queue, s.disagg_decode_transfer_queue
-            return [*(d.req for d in prealloc.queue), *prealloc.retracted_queue,
-                    *(d.req for d in transfer.queue), *(s.waiting_queue if waiting else ())]
-        return []
-
-    @contextlib.contextmanager
-    def masked_disagg_queues(self):
-        """The disaggregation queues emptied for the time of an idle probe (a decode
-        side's held releases too: ``has_pending_deferred_releases`` reads that list)."""
-        s = self.s
-        if self.disaggregation == PREFILL:
-            holders = [(s.disagg_prefill_bootstrap_queue, "queue"),
-                       (s, "disagg_prefill_inflight_queue")]
-        else:
-            prealloc, transfer = s.disagg_decode_prealloc_queue, s.disagg_decode_transfer_queue
-            holders = [(prealloc, "queue"), (prealloc, "retracted_queue"),
-                       (transfer, "queue"), (transfer, "_deferred_releases")]
-        saved = [getattr(owner, name) for owner, name in holders]
-        try:
-            for owner, name in holders:
-                setattr(owner, name, [])
-            yield
-        finally:
-            for (owner, name), value in zip(holders, saved):
-                setattr(owner, name, value)
+        """Launched steps not yet processed that the loop carries to its next iteration
+        (SGLang's overlap loops' ``result_queue``; omni's lookahead step)."""
+        return self.family.in_flight(self.s)
 
     def disagg_parked_kv(self) -> int:
         """The KV those parked requests hold (each its allocated length in whole pages
@@ -239,11 +164,11 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
         idle). 0 on another loop."""
         page = self.s.token_to_kv_pool_allocator.page_size
         return sum(-(-req.kv.kv_allocated_len // page) * page - req.kv.cache_protected_len
-                   for req in self._disagg_parked(True) if req.kv.holds_kv)
+                   for req in self.family.parked(self.s, waiting=True) if req.kv.holds_kv)
 
     def _overlaps(self) -> bool:
-        """Whether the loop can carry in-flight work (omni: ``enable_async_decode``)."""
-        return bool(self.s.enable_overlap or (self.omni and self.s.enable_async_decode))
+        """Whether the loop can carry in-flight work."""
+        return self.family.overlaps(self.s)
 
     def feed(self) -> None:
         """Hand SGLang the requests due at this step, then the aborts due, each after
@@ -267,13 +192,7 @@ class Recorder(HookInstaller, LaunchRecording, StepSnapshot):
             # The parent's prompt as fed, not its origin_input_ids: SGLang replaces those
             # of a request it rejects (``set_finish_with_abort``) with a placeholder.
             prompt = self.fed_prompts[spec.turn_of] + list(parent.output_ids) + prompt
-        if self.omni:
-            self.s.inbox.put(omni_request_message(spec.rid, prompt, spec.sampling()))
-        else:
-            bootstrap = (bootstrap_fields(self.disaggregation, len(self.fed))
-                         if self.disaggregation else {})
-            self.s.request_receiver.pending.append(
-                tokenized_request(spec, prompt, **bootstrap))
+        self.family.feed(self.s, spec, prompt, len(self.fed))
         self.fed.add(spec.rid)
         self.fed_prompts[spec.rid] = prompt
         if self.capture:  # every prompt fed so far (clause 1 compares the slots' tokens)

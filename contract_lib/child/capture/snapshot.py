@@ -6,7 +6,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
-from typing import Any
 
 from contract_lib.child.capture.batches import free_slot_mask, mode_name
 from contract_lib.sources.compat import EmptyBatch, req_kv, uncached_sizes
@@ -27,7 +26,7 @@ class StepSnapshot:
             0 if running is None else len(running.reqs), mode_name(running),
             mode_name(last), len(s.waiting_queue), *self._pool_terms(), *self._row_terms(),
             time.monotonic(), getattr(s, "processed_tokens_counter", None),
-            self._disagg_queued())))
+            self.family.queued(self.s))))
         seq_lens = self._seq_lens(running, last)
         rtt = self.req_to_token_view.of(s.req_to_token_pool.req_to_token)  # sliced in numpy
         free = None  # the free-slot mask, taken at the first live row
@@ -71,8 +70,8 @@ class StepSnapshot:
         only for a decode side's retracted requests: SGLang leaves the others out of it
         by design (``managers/scheduler.py:5338-5342``, :5369), not those (:5361-5367)."""
         s = self.s
-        everyone, queued, in_flight = self.idle_arguments, self._disagg_queued(), self._in_flight()
-        queue_callers = everyone if self._retracted_parked() else [
+        everyone, queued, in_flight = self.idle_arguments, self.family.queued(self.s), self._in_flight()
+        queue_callers = everyone if self.family.retracted(self.s) else [
             a for a in everyone if not a.get("for_health_check")]
         saved = (s.running_batch, s.last_batch, s.chunked_req, s.waiting_queue)
         try:
@@ -82,7 +81,7 @@ class StepSnapshot:
                 return self._says_idle(everyone)
             if not in_flight:
                 return self._says_idle(queue_callers)
-            with self.masked_disagg_queues():
+            with self.family.queues_emptied(self.s):
                 queue_alone = self._says_idle(everyone)
             with self._masked_result_queue():
                 return queue_alone or self._says_idle(queue_callers)

@@ -106,8 +106,10 @@ def _complete_bookkeeping_runner() -> str:
     - ``get_cpu_copy`` / ``load_cpu_copy`` (decode retraction backs up and restores a
       request's KV, ``schedule_batch.py:2381``; ``mem_cache/memory_pool.py:2154``
       raises): nothing to copy, nothing to load."""
-    from sglang.srt.hardware_backend.mlx.model_runner_stub import (MlxModelRunnerStub,
-                                                                   _DummyKVCache)
+    from sglang.srt.hardware_backend.mlx.model_runner_stub import (
+        MlxModelRunnerStub,
+        _DummyKVCache,
+    )
     from sglang.srt.runtime_context import get_parallel
 
     real_initialize = MlxModelRunnerStub.initialize

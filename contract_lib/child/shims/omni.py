@@ -8,9 +8,11 @@ from typing import Any, Callable
 from unittest import mock
 
 from contract_lib.child.shims.model import VOCAB_SIZE
-from contract_lib.child.shims.torch_forward import (bookkeeping_runner, model_free_result,
-                                              model_free_tokens)
-
+from contract_lib.child.shims.torch_forward import (
+    bookkeeping_runner,
+    model_free_result,
+    model_free_tokens,
+)
 
 OMNI_PLATFORM_SPEC_ENV = "SGLANG_OMNI_PLATFORM_SPEC"
 OMNI_CPU_PLATFORM = "sglang_omni.platforms.cpu.CPUOmniPlatform"

@@ -22,8 +22,8 @@ def on_apple_silicon_with_mlx() -> bool:
     if sys.platform != "darwin" or platform.machine() != "arm64":
         return False
     try:
-        import torch
         import mlx.core as mx
+        import torch
     except ImportError:
         return False
     return bool(torch.backends.mps.is_available() and mx.metal.is_available())
