@@ -492,7 +492,8 @@ def test_a_cache_hit_counted_twice_breaks_clause_2(run_cached, loop, workload, p
 
 
 @pytest.mark.parametrize("loop, expected", [
-    ("normal", 27), ("overlap", 27), ("mlx", 28), ("omni", 28)])
+    ("normal", 27), ("overlap", 27), ("mlx", 28),
+    pytest.param("omni", 28, marks=pytest.mark.releases)])
 def test_a_cache_hit_counted_one_high_breaks_clause_2(run_cached, loop, expected):
     """A radix hit counted one token high: within the prompt, counted once, above what
     the tree allowed, and it passed. The hit is the prefix the first prefill did not
@@ -717,8 +718,9 @@ DETERMINISTIC_ON_FLASHINFER = {"enable_deterministic_inference": True,
 @pytest.mark.parametrize("loop, server_args, resolved", [
     ("normal", DETERMINISTIC_ON_FLASHINFER,
      {"page_size": 1, "disable_radix_cache": True, "disaggregation_mode": "null"}),
-    ("omni", DETERMINISTIC_ON_FLASHINFER,
-     {"page_size": 1, "disable_radix_cache": True, "disaggregation_mode": "null"}),
+    pytest.param("omni", DETERMINISTIC_ON_FLASHINFER,
+                 {"page_size": 1, "disable_radix_cache": True, "disaggregation_mode": "null"},
+                 marks=pytest.mark.releases),
     ("normal", {"attention_backend": "hpc_ops"},
      {"page_size": 64, "disable_radix_cache": False, "disaggregation_mode": "null"})])
 def test_server_args_are_read_as_sglang_resolved_them(loop, server_args, resolved):

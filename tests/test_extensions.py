@@ -15,6 +15,7 @@ import contract_lib
 from contract_lib.campaigns.status import KNOWN_UPSTREAM, Status
 from contract_lib.cli import main
 from contract_lib.contract import (
+    CLAUSES,
     EXTENSIONS,
     HOLDS,
     NOT_EXERCISED,
@@ -288,7 +289,7 @@ def test_mlx_loop_on_the_extensions(run_cached, workload):
     last = int(run_cached(workload, "mlx").steps.step.max())
     assert last in set(seven.violations["step"])  # the state outlives the run: idle
     fixed = check(run_cached(workload, "mlx", ALL_FIXES))
-    expected = {n: HOLDS for n in range(1, 8)}
+    expected = {n: HOLDS for n in CLAUSES}  # every registered clause, a new one too
     if workload == "mixed-chunk":
         expected[4] = VIOLATED  # the relay is still never published on MLX
     assert {n: r.status for n, r in fixed.clauses.items()} == expected
@@ -374,6 +375,7 @@ def test_unclamped_sync_keeps_the_row_mapping_too(run_cached):
 # -- releases and the real runner -------------------------------------------------------------
 
 
+@pytest.mark.releases
 @pytest.mark.parametrize("version", ["0.5.21", "0.5.22"])
 def test_extensions_on_older_releases(run_cached, version):
     torch = check(run_cached("two-turn", "overlap", sglang=version))
@@ -481,6 +483,7 @@ def test_frames_without_the_extension_tables_are_not_exercised(torch_good):
     assert report.clauses[2].status == HOLDS  # the RFC's three counters still checked
 
 
+@pytest.mark.releases
 @pytest.mark.parametrize("workload", ["two-turn", "mixed-chunk"])
 def test_omni_copies_the_clock_bug_and_the_fix_covers_it(run_cached, workload):
     """sglang-omni's OmniScheduler.stamp_batch_launch copies run_batch's counter lines:

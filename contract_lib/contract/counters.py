@@ -23,6 +23,9 @@ was served and emitted in :mod:`.emitted`.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 import pandas as pd
 
 from contract_lib.contract.base import (
@@ -36,19 +39,19 @@ from contract_lib.contract.base import (
     violations,
 )
 from contract_lib.contract.emitted import (
-    _emitted_as_produced,
-    _ended_where_sglang_ended_it,
-    _first_token_after_the_prompt,
-    _retractions_counted,
-    _served,
-    _stopped_at_a_stop_token,
+    emitted_as_produced,
+    ended_where_sglang_ended_it,
+    first_token_after_the_prompt,
+    retractions_counted,
+    served_as_fed,
+    stopped_at_a_stop_token,
 )
 from contract_lib.contract.radix import (
-    _cache_hits_counted_once,
-    _committed_pages,
-    _evicted_beyond_need,
-    _released,
-    _reused_what_the_tree_kept,
+    cache_hits_counted_once,
+    committed_pages,
+    evicted_beyond_need,
+    released_requests,
+    reused_what_the_tree_kept,
 )
 from contract_lib.contract.registry import clause, extend
 from contract_lib.frames import Frames
@@ -63,14 +66,9 @@ def _no_live_request(frames: Frames) -> str | None:
     return None if live_mask(frames.requests).any() else "no live request had a launched position"
 
 
-@clause(2, "counters advanced", fields=tuple(_COUNTERS.values()),
-        audit_fields=("seq_lens", "seq_lens_cpu", "orig_seq_lens", "seq_lens_sum",
-                      "kv_committed_len", "kv_allocated_len", "cache_protected_len"),
-        readers=("release_kv_cache (owned_kv_len, bounded by kv_committed_len)",
-                 "check_decode_mem", "retraction budget"),
-        unexercised=_no_live_request)
-def check_counters(frames: Frames) -> ClauseResult:
-    loop = frames.loop
+def counters_equal_the_positions_computed(frames: Frames) -> list[pd.DataFrame]:
+    """``seq_lens``, ``kv_committed_len`` and ``kv_allocated_len`` of every live request
+    equal ``kv_computed`` (order 0-2: one per counter)."""
     alive = live(frames.requests)
     parts = []
     for order, (column, field) in enumerate(_COUNTERS.items()):
@@ -87,12 +85,20 @@ def check_counters(frames: Frames) -> ClauseResult:
                            + (computed - value).abs().astype(str)
                            + "; radix insertion and release stop at the committed bound",
             "order": order}))
-    released = _released(frames)
-    owned = _committed_pages(frames, released)
+    return parts
+
+
+def the_tree_keeps_what_was_committed(frames: Frames) -> list[pd.DataFrame]:
+    """At a finished request's release, the radix tree's insert protects what it
+    committed (``cache_protected_len``, where the release records it), and a later
+    request reuses what the tree kept (:func:`.radix.reused_what_the_tree_kept`)."""
+    released = released_requests(frames)
+    owned = committed_pages(frames, released)
     # What the tree kept, where the release records it (else the reuse rule alone).
     recorded = "cache_protected_len" not in frames.absent
     kept = released["cache_protected_len"].astype("int64") if recorded else owned
     bad = released[kept < owned]
+    parts = []
     if len(bad):
         parts.append(pd.DataFrame({
             "field": "cache_protected_len", "step": bad["step"].astype("int64"),
@@ -102,22 +108,63 @@ def check_counters(frames: Frames) -> ClauseResult:
                            + owned[bad.index].astype(str) + " positions the request "
                            "committed when it was released: a later request with this "
                            "prefix prefills the rest again (silent cache loss)",
-            "order": len(_COUNTERS)}))
-    parts += _reused_what_the_tree_kept(frames, released, kept.clip(upper=owned),
-                                        order=len(_COUNTERS))
-    parts += _cache_hits_counted_once(frames, order=len(_COUNTERS))
-    parts += _served(frames, order=len(_COUNTERS) + 1)
-    parts += _emitted_as_produced(frames, order=len(_COUNTERS) + 2)
-    parts += _ended_where_sglang_ended_it(frames, order=len(_COUNTERS) + 2)
-    parts += _stopped_at_a_stop_token(frames, order=len(_COUNTERS) + 2)
-    parts += _first_token_after_the_prompt(frames, order=len(_COUNTERS) + 2)
-    parts += _evicted_beyond_need(frames, order=len(_COUNTERS) + 3)
-    parts += _retractions_counted(frames, order=len(_COUNTERS) + 3)
+            "order": RADIX}))
+    return parts + reused_what_the_tree_kept(frames, released, kept.clip(upper=owned),
+                                             order=RADIX)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One of clause 2's rules: its name (as docs/contract.md states it), its group, and
+    its check (frames -> violation parts, each with an ``order`` that sorts the kinds
+    found at one step)."""
+
+    name: str
+    group: str
+    check: Callable[[Frames], list[pd.DataFrame]]
+
+
+# Sort orders of the groups' violations within a step (counters take 0-2).
+RADIX, SERVED, EMITTED, ALLOCATOR = 3, 4, 5, 6
+
+RULES: tuple[Rule, ...] = (
+    Rule("each counter equals the positions computed", "counters",
+         counters_equal_the_positions_computed),
+    Rule("the radix tree keeps what the request committed, and a later request reuses it",
+         "radix cache", the_tree_keeps_what_was_committed),
+    Rule("a cache hit is counted once, as computed", "radix cache",
+         lambda frames: cache_hits_counted_once(frames, order=RADIX)),
+    Rule("each request is served as fed", "served and emitted",
+         lambda frames: served_as_fed(frames, order=SERVED)),
+    Rule("it emits only tokens the forward produced for it, each once", "served and emitted",
+         lambda frames: emitted_as_produced(frames, order=EMITTED)),
+    Rule("nothing is emitted after it ended", "served and emitted",
+         lambda frames: ended_where_sglang_ended_it(frames, order=EMITTED)),
+    Rule("a stop token ends it, at the first one emitted", "served and emitted",
+         lambda frames: stopped_at_a_stop_token(frames, order=EMITTED)),
+    Rule("its first token follows the launch that computed its whole prompt",
+         "served and emitted", lambda frames: first_token_after_the_prompt(frames, order=EMITTED)),
+    Rule("the allocator evicts at most its shortfall", "allocator",
+         lambda frames: evicted_beyond_need(frames, order=ALLOCATOR)),
+    Rule("a retraction is counted", "allocator",
+         lambda frames: retractions_counted(frames, order=ALLOCATOR)),
+)
+
+
+@clause(2, "counters advanced", fields=tuple(_COUNTERS.values()),
+        audit_fields=("seq_lens", "seq_lens_cpu", "orig_seq_lens", "seq_lens_sum",
+                      "kv_committed_len", "kv_allocated_len", "cache_protected_len"),
+        readers=("release_kv_cache (owned_kv_len, bounded by kv_committed_len)",
+                 "check_decode_mem", "retraction budget"),
+        unexercised=_no_live_request)
+def check_counters(frames: Frames) -> ClauseResult:
+    """Clause 2: every rule of :data:`RULES`."""
+    parts = [part for rule in RULES for part in rule.check(frames)]
     rows = pd.concat(parts).sort_values(["step", "order"], kind="stable").drop(
         columns="order") if parts else _NO_ROWS
-    note = (f"{len(alive)} (step, request) counter sets checked, {len(released)} "
-            "releases into the radix tree")
-    return result(2, loop, rows, note)
+    note = (f"{len(live(frames.requests))} (step, request) counter sets checked, "
+            f"{len(released_requests(frames))} releases into the radix tree")
+    return result(2, frames.loop, rows, note)
 
 
 @extend(2, fields=("decode_batch_idx",))

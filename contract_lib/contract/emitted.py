@@ -9,11 +9,11 @@ from __future__ import annotations
 import pandas as pd
 
 from contract_lib.contract.base import first_step_showing, handoffs, ints, retractions
-from contract_lib.contract.radix import _run_arg
+from contract_lib.contract.radix import run_arg
 from contract_lib.frames import Frames
 
 
-def _served(frames: Frames, order: int) -> list[pd.DataFrame]:
+def served_as_fed(frames: Frames, order: int) -> list[pd.DataFrame]:
     """Each request as it was fed: its prompt (``origin_input_ids``) the prompt fed (meta
     ``prompts``; not for a request SGLang aborted, whose prompt it replaces; at most it
     with ``allow_auto_truncate``), and at its finish by length, as many tokens emitted
@@ -24,7 +24,7 @@ def _served(frames: Frames, order: int) -> list[pd.DataFrame]:
     fed = requests["rid"].map({rid: len(prompt) for rid, prompt in prompts.items()})
     aborted = set(requests.loc[requests["finish_reason"] == "abort", "rid"])
     # ``allow_auto_truncate``: SGLang may cut a prompt too long for the context.
-    truncates = bool(_run_arg(frames, "allow_auto_truncate"))
+    truncates = bool(run_arg(frames, "allow_auto_truncate"))
     differs = (requests["prompt_len"] > fed) if truncates else (requests["prompt_len"] != fed)
     bad = requests[fed.notna() & differs
                    & ~requests["rid"].isin(aborted)].drop_duplicates("rid")
@@ -98,7 +98,7 @@ def _produced(launches: pd.DataFrame, known: set[str], handed_off: dict[str, int
     return produced, unknown
 
 
-def _emitted_as_produced(frames: Frames, order: int) -> list[pd.DataFrame]:
+def emitted_as_produced(frames: Frames, order: int) -> list[pd.DataFrame]:
     """Each request's tokens (``output_ids``) are tokens the forward produced for it, in
     order, each emitted once: a subsequence of its lanes' tokens over its launches (a
     lane's token may go unemitted: a chunk's, an overlap loop's step past the finish).
@@ -139,7 +139,7 @@ def _emitted_as_produced(frames: Frames, order: int) -> list[pd.DataFrame]:
         for rid, index, expected, actual, made, held in found])]
 
 
-def _ended_where_sglang_ended_it(frames: Frames, order: int) -> list[pd.DataFrame]:
+def ended_where_sglang_ended_it(frames: Frames, order: int) -> list[pd.DataFrame]:
     """A request emits no token (``output_ids``) after it ended (finished, or ended by
     the abort SGLang sent it), and a finish on a stop token ends it at the first
     occurrence of the token it matched (``finish_matched``; a stop string's is not
@@ -185,7 +185,7 @@ def _ended_where_sglang_ended_it(frames: Frames, order: int) -> list[pd.DataFram
     return [pd.DataFrame(rows)] if rows else []
 
 
-def _first_token_after_the_prompt(frames: Frames, order: int) -> list[pd.DataFrame]:
+def first_token_after_the_prompt(frames: Frames, order: int) -> list[pd.DataFrame]:
     """A request's first token comes from the prefill of its whole prompt: it shows only
     after the result of the launch that first computed every prompt position
     (``kv_computed`` at least ``prompt_len``) was processed. A middle chunk's result
@@ -227,7 +227,7 @@ def _first_token_after_the_prompt(frames: Frames, order: int) -> list[pd.DataFra
                        "chunk's result was taken for the last one", "order": order})]
 
 
-def _stopped_at_a_stop_token(frames: Frames, order: int) -> list[pd.DataFrame]:
+def stopped_at_a_stop_token(frames: Frames, order: int) -> list[pd.DataFrame]:
     """A request that emits one of its stop tokens (its stop ids, the model's EOS, unless
     it ignores EOS: meta ``stop_ids``, SGLang's own sets) finishes there, on that
     token: ``finish_reason`` stop with ``finish_matched`` that token, and nothing after
@@ -238,7 +238,7 @@ def _stopped_at_a_stop_token(frames: Frames, order: int) -> list[pd.DataFrame]:
     ``disaggregation/prefill.py:1226``), without a stop check of the first token
     (``process_batch_result_disagg_prefill``, :901): the decode side checks it."""
     stops = frames.meta.get("stop_ids") or {}
-    if not stops or _run_arg(frames, "disaggregation_mode") == "prefill":
+    if not stops or run_arg(frames, "disaggregation_mode") == "prefill":
         return []
     tokens = frames.output_tokens()
     requests = frames.requests
@@ -270,7 +270,7 @@ def _stopped_at_a_stop_token(frames: Frames, order: int) -> list[pd.DataFrame]:
     return [pd.DataFrame(rows)] if rows else []
 
 
-def _retractions_counted(frames: Frames, order: int) -> list[pd.DataFrame]:
+def retractions_counted(frames: Frames, order: int) -> list[pd.DataFrame]:
     """A request that gives its ``req_to_token`` row back before it ended was retracted
     (or preempted), and SGLang counts it (``retraction_count``, its ``num_retractions``):
     between two steps the count rises by exactly the retractions seen."""

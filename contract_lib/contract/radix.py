@@ -1,7 +1,7 @@
 """Clause 2's radix cache rules: what the tree kept of a released request, what later
 requests reused of it (``cached_tokens``, counted once and as computed), and what the
-allocator had the tree evict. Helpers :func:`_released`, :func:`_committed_pages` and
-:func:`_run_arg` are shared with :mod:`.counters`."""
+allocator had the tree evict. Helpers :func:`released_requests`, :func:`committed_pages` and
+:func:`run_arg` are shared with :mod:`.counters`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from contract_lib.contract.base import handoffs, retractions
 from contract_lib.frames import Frames
 
 
-def _evicted_beyond_need(frames: Frames, order: int) -> list[pd.DataFrame]:
+def evicted_beyond_need(frames: Frames, order: int) -> list[pd.DataFrame]:
     """The KV allocator evicts from the radix tree only what an allocation is short of:
     each ``evict_to_free_tokens`` call asks the tree for at most its shortfall
     (``need - available``, in whole pages, at least one page), and one that was short
@@ -20,7 +20,7 @@ def _evicted_beyond_need(frames: Frames, order: int) -> list[pd.DataFrame]:
     evictions = frames.tables.get("evictions")
     if evictions is None or evictions.empty:
         return []
-    page = int(_run_arg(frames, "page_size") or 1)
+    page = int(run_arg(frames, "page_size") or 1)
     short = (evictions["need"] - evictions["available"]).clip(lower=0)
     bound = ((short + page - 1) // page * page).clip(lower=page).where(short > 0, 0)
     asked = pd.to_numeric(evictions["asked"], errors="coerce")
@@ -60,7 +60,7 @@ def _disturbed_iterations(frames: Frames) -> list[int]:
     return sorted(disturbed)
 
 
-def _reused_what_the_tree_kept(frames: Frames, released: pd.DataFrame, kept: pd.Series,
+def reused_what_the_tree_kept(frames: Frames, released: pd.DataFrame, kept: pd.Series,
                                order: int) -> list[pd.DataFrame]:
     """A request admitted after a finished request was released reuses what the radix
     tree kept of it: at least the longest prefix its prompt shares with that request's
@@ -73,7 +73,7 @@ def _reused_what_the_tree_kept(frames: Frames, released: pd.DataFrame, kept: pd.
     requests = frames.requests
     if released.empty or not prompts or "cached_tokens" not in requests:
         return []
-    page = int(_run_arg(frames, "page_size") or 1)
+    page = int(run_arg(frames, "page_size") or 1)
     outputs = frames.output_tokens()
     disturbed = _disturbed_iterations(frames)
     holding = requests[requests["req_pool_idx"].notna()]
@@ -125,7 +125,7 @@ def _reused_what_the_tree_kept(frames: Frames, released: pd.DataFrame, kept: pd.
     return [pd.DataFrame(rows)] if rows else []
 
 
-def _cache_hits_counted_once(frames: Frames, order: int) -> list[pd.DataFrame]:
+def cache_hits_counted_once(frames: Frames, order: int) -> list[pd.DataFrame]:
     """SGLang counts a request's cache hit (``cached_tokens``) once, at its first prefill:
     at most one token short of its prompt (its match bound), and unchanged from the
     first step that shows the prefill on (a later chunk reuses the request's own
@@ -220,18 +220,18 @@ def _alone_first_prefill(frames: Frames, first: pd.DataFrame) -> dict[str, int]:
     return found
 
 
-def _run_arg(frames: Frames, name: str):
+def run_arg(frames: Frames, name: str):
     """A server arg as the scheduler ran with it (meta ``resolved_args``: SGLang may
     override what was given), else as given (frames recorded before it was kept)."""
     resolved = frames.meta.get("resolved_args") or {}
     return resolved[name] if name in resolved else frames.meta.get("server_args", {}).get(name)
 
 
-def _released(frames: Frames) -> pd.DataFrame:
+def released_requests(frames: Frames) -> pd.DataFrame:
     """Each request that finished by length or a stop, at the first boundary where it
     holds no ``req_to_token`` row (released); none when the radix cache is disabled."""
     requests = frames.requests
-    if _run_arg(frames, "disable_radix_cache"):
+    if run_arg(frames, "disable_radix_cache"):
         return requests.iloc[0:0]
     done = requests[requests["finished"].astype(bool) & requests["req_pool_idx"].isna()
                     & requests["finish_reason"].isin(["length", "stop"])
@@ -240,10 +240,10 @@ def _released(frames: Frames) -> pd.DataFrame:
     return done.sort_values("step", kind="stable").drop_duplicates("rid")
 
 
-def _committed_pages(frames: Frames, released: pd.DataFrame) -> pd.Series:
+def committed_pages(frames: Frames, released: pd.DataFrame) -> pd.Series:
     """What each released request committed, at most its prompt and output (a stop that
     landed before the last committed position), in whole pages."""
-    page = int(_run_arg(frames, "page_size") or 1)
+    page = int(run_arg(frames, "page_size") or 1)
     committed = released["kv_committed_len"].astype("int64").clip(
         upper=(released["prompt_len"] + released["emitted"]).astype("int64"))
     return committed // page * page
