@@ -18,18 +18,20 @@ _prestarts: list = []
 
 def pytest_configure(config):
     directory = tempfile.mkdtemp(prefix="contract_lib-servers-")
-    _saved[pool.SERVER_DIR_ENV] = os.environ.get(pool.SERVER_DIR_ENV)
-    os.environ[pool.SERVER_DIR_ENV] = directory
+    for name, value in ((pool.SERVER_DIR_ENV, directory),
+                        # A release's server exits two minutes after its last run, not
+                        # fifteen: a session drives up to ten releases, ~0.5 GB each.
+                        (pool.IDLE_ENV, os.environ.get(pool.IDLE_ENV) or "120")):
+        _saved[name] = os.environ.get(name)
+        os.environ[name] = value
 
 
 def pytest_collection_finish(session):
-    """Notebooks collected: start the servers of the venv's SGLang and of each installed
-    release now, side by side, in the background while the first kernels start (each
-    import would otherwise wait for the first run that needs it)."""
+    """Notebooks collected: start the venv's SGLang server now, in the background while
+    the first kernels start (its import would otherwise wait for the first run); another
+    release's server starts when a run needs it."""
     if any(str(item.path).endswith(".ipynb") for item in session.items):
-        from contract_lib.sources.versions import installed_release_folders
-
-        _prestarts.extend(pool.prestart([None, *installed_release_folders()]))
+        _prestarts.extend(pool.prestart([None]))
 
 
 def pytest_unconfigure(config):
@@ -38,7 +40,8 @@ def pytest_unconfigure(config):
         thread.join()
     servers.stop_all(directory)
     shutil.rmtree(directory, ignore_errors=True)
-    if _saved.get(pool.SERVER_DIR_ENV) is None:
-        os.environ.pop(pool.SERVER_DIR_ENV, None)
-    else:
-        os.environ[pool.SERVER_DIR_ENV] = _saved[pool.SERVER_DIR_ENV]
+    for name, value in _saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
