@@ -12,6 +12,7 @@ from contract_lib.cli.options import (add_clauses_option, add_run_options,
                                       add_strict_known_option, fate, file_part,
                                       run_and_save, sglang_file_part)
 from contract_lib.runs.harness import run
+from contract_lib.runs.loop_choice import runnable
 from contract_lib.patches.builtin import patch_spec
 from contract_lib.paths import FRAMES_DIR
 from contract_lib.views.text import run_summary, step_table
@@ -66,8 +67,9 @@ def cmd_trace(args) -> int:
     from contract_lib.campaigns.trace import write_trace
 
     # Default: the first reference loop beside the first candidate.
-    chosen = args.loop or [loops.reference_names()[0],
-                           next(n for n in loops.default_names() if not loops.spec(n).reference)]
+    chosen = runnable(args.loop or [
+        loops.reference_names()[0],
+        next(n for n in loops.default_names() if not loops.spec(n).reference)])
     patch = patch_spec(args.patch)
     source = resolve(args.sglang, args.diff)  # a bad tree or diff: exit 2 before any run
     runs = [run(args.workload, loop, patch=patch, cache=not args.no_cache,
