@@ -38,7 +38,7 @@ def cmd_audit(args) -> int:
 
     try:
         result = audit(args.workload, patch=patch_spec(args.patch), sglang=args.sglang,
-                       diff=args.diff)
+                       diff=args.diff, loop=args.loop)
     except AuditRunFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.outcome
@@ -72,8 +72,14 @@ def register(commands) -> None:
     add_strict_known_option(status_parser)
     status_parser.set_defaults(handler=cmd_status)
     audit_parser = commands.add_parser(
-        "audit", help="effects audit: what the torch loops' steps write that mlx does not")
+        "audit", help="effects audit: what the torch loops' steps write that a candidate "
+        "loop (--loop, default mlx) does not")
     audit_parser.add_argument("--workload", default="two-turn")
+    candidate = next(n for n in loops.default_names() if not loops.spec(n).reference)
+    audit_parser.add_argument("--loop", default=candidate, choices=[
+        n for n in loops.names() if not loops.spec(n).reference],
+        help=f"the candidate loop compared with both torch loops (default {candidate}; a "
+             "PD prefill side is compared at extend launches: it launches no decode)")
     audit_parser.add_argument("--patch", action="append", help="apply to every loop's run")
     add_sglang_options(audit_parser)
     audit_parser.set_defaults(handler=cmd_audit)
