@@ -6,6 +6,8 @@ what it cannot take, and a mutant of its batch builders turns a clause red."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import contract_lib
@@ -13,6 +15,8 @@ from contract_lib import loops
 from contract_lib.cli import main
 from contract_lib.contract import HOLDS, MASKED, NOT_EXERCISED, VIOLATED, check
 from contract_lib.verdict import Outcome
+
+WORKLOADS = Path(__file__).parent / "workloads"
 
 DISAGG = ("disagg-prefill-normal", "disagg-prefill-overlap", "disagg-decode-normal",
           "disagg-decode-overlap")
@@ -92,6 +96,23 @@ def test_queued_requests_are_in_flight_work(saved):
     assert "request(s) in the disaggregation queues" in result.first()["actual"]
     frames.steps["disagg_queued"] = 0
     assert check(frames).clauses[5].status == NOT_EXERCISED
+
+
+@pytest.mark.fast
+def test_an_ended_request_never_answered_is_clause_2(saved):
+    """``finished_output`` (this project's extension of clause 2): a request that ended
+    has had its final output sent by the boundary that first shows it ended."""
+    frames = saved("priority", "disagg-decode-normal")
+    assert check(frames).clauses[2].status == HOLDS
+    requests = frames.requests
+    ended = requests[requests["finished"].astype(bool)].sort_values("step")
+    rid, step = ended["rid"].iloc[0], int(ended["step"].iloc[0])
+    requests.loc[requests["rid"] == rid, "end_sent"] = False
+    result = check(frames).clauses[2]
+    assert result.status == VIOLATED
+    assert (result.first()["field"], result.first()["rid"], result.first()["step"]) == (
+        "finished_output", rid, step)
+    assert check(frames, "rfc").clauses[2].status == HOLDS  # an extension, not the RFC's
 
 
 # -- real loops ------------------------------------------------------------------------------
