@@ -73,3 +73,17 @@ def test_a_workload_the_prefill_side_refuses_is_a_set_up_error(capsys):
     out = capsys.readouterr().out
     assert "does not take turn_of (request 'a2')" in out
     assert "no decode side" in out
+
+
+def test_the_audit_compares_a_disaggregation_loop_with_event_loop_normal():
+    """A decode side at its decode launches, a prefill side at its extend launches (it
+    launches no decode): on staggered neither forgets a write both torch loops make."""
+    from contract_lib.campaigns.audit import audit
+
+    for loop, mode in (("disagg-decode-normal", "decode"), ("disagg-prefill-normal", "extend")):
+        result = audit("staggered", loop=loop, progress=False)
+        assert (result.candidate, result.mode) == (loop, mode)
+        assert result.loops == ("normal", "overlap", loop)
+        assert result.findings.empty, result.text()
+        assert result.text().startswith(f"effects audit: staggered: fields both torch loops "
+                                        f"write at every {mode} launch that {loop} writes")
