@@ -90,6 +90,13 @@ def test_the_new_loops_run_under_trace_compare_and_search(tmp_path, capsys):
     assert "no finding on --loop disagg-prefill-overlap" in capsys.readouterr().out
 
 
+def test_a_compare_of_refused_runs_only_is_a_usage_error(capsys):
+    assert main(["compare", "--head", "release=0.5.23", "--loop", "mlx", "page-size-4"]) == 2
+    out = capsys.readouterr().out
+    assert "run page-size-4 on mlx (head): unsupported" in out
+    assert out.rstrip().endswith("compare: usage (exit 2)")
+
+
 def test_the_plugin_runs_a_disaggregation_loop_and_refuses_one_that_cannot_run(tmp_path):
     (tmp_path / "test_loops.py").write_text(
         "import pytest\n"
