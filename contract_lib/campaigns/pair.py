@@ -110,6 +110,8 @@ class Pair:
         the decode side, how it ended there, and whether its tokens are normal's."""
         handed = self.handoffs()
         ends = _last_rows(self.prefill)
+        if self.decode is not None:
+            last, emitted = _last_rows(self.decode), self.decode.output_tokens()
         rows = []
         for spec in self.workload.requests:
             row = {"rid": spec.rid, "prompt": len(spec.prompt),
@@ -120,12 +122,11 @@ class Pair:
                    if spec.rid in ends.index else None}
             if self.decode is not None:
                 admitted = self.decode.prebuilt[self.decode.prebuilt["rid"] == spec.rid]
-                last = _last_rows(self.decode)
                 row["admitted at"] = int(admitted["step"].min()) if len(admitted) else None
                 row["decode end"] = (last.at[spec.rid, "finish_reason"]
                                      if spec.rid in last.index else None)
                 row["ended at"] = _first_step(self.decode, spec.rid, finished=True)
-                row["tokens"] = len(self.decode.output_tokens().get(spec.rid, []))
+                row["tokens"] = len(emitted.get(spec.rid, []))
             rows.append(row)
         table = pd.DataFrame(rows, dtype=object)
         if self.decode is not None:
