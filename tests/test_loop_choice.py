@@ -86,7 +86,7 @@ def test_the_new_loops_run_under_trace_compare_and_search(tmp_path, capsys):
                  "single-decode"]) == 5  # kept: the same SGLang on both sides
     assert re.search(r"disagg-prefill-normal\s+yes", capsys.readouterr().out)
     assert main(["search", "--loop", "disagg-prefill-overlap", "--budget", "2",
-                 "--seed", "3", "--no-write"]) == 0
+                 "--seed", "3", "--no-database"]) == 0
     assert "no finding on --loop disagg-prefill-overlap" in capsys.readouterr().out
 
 
