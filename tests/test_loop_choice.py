@@ -74,8 +74,12 @@ def test_a_pair_side_must_be_a_disaggregation_loop_of_its_role(capsys):
                    "loop; prefill loops: disagg-prefill-normal, disagg-prefill-overlap\n")
 
 
-def test_the_new_loops_run_under_trace_compare_and_search(tmp_path, capsys):
+def test_the_new_loops_run_under_status_trace_compare_and_search(tmp_path, capsys):
     """One workload through each command with a disaggregation loop (frames cached)."""
+    assert main(["status", "--workload", "single-decode", "--loop", "mlx-normal",
+                 "--loop", "disagg-prefill-overlap", "--loop", "disagg-decode-normal"]) == 0
+    header = capsys.readouterr().out.splitlines()[0].split()
+    assert header[1:] == ["mlx-normal", "disagg-prefill-overlap", "disagg-decode-normal"]
     out = tmp_path / "t.trace.json"
     assert main(["trace", "--workload", "single-decode", "--loop", "normal", "--loop",
                  "disagg-decode-overlap", "--out", str(out)]) == 0
