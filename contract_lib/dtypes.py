@@ -32,7 +32,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "float": ("wall_time", "launch_ts", "processed_launch_ts", "max_abs_diff"),
     "bool": ("is_fully_idle", "idle_probe", "enable_overlap", "enable_overlap_mlx",
              "pool_leak", "chained", "processed_after_idle_gap", "finished", "slot_free",
-             "written", "published_for_rid", "transfer"),
+             "written", "published_for_rid", "transfer", "end_sent"),
     "str": ("loop", "running_mode", "last_batch_mode", "mode", "rids", "tokens", "rid",
             "finish_reason", "finish_message", "event", "kind", "object", "field",
             "location", "target", "owner", "structure", "verdict"),

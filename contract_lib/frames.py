@@ -20,7 +20,10 @@ Tables (pandas DataFrames; the column lists below are the schema):
   ``type`` of SGLang's ``req.finished_reason`` (``length``, ``stop``, ``abort``; None
   while running), ``finish_message`` its message (an abort's reason),
   ``finish_matched`` the token id a stop matched (None otherwise), ``retractions``
-  SGLang's own ``req.retraction_count``.
+  SGLang's own ``req.retraction_count``, ``end_sent`` whether the request's end has
+  reached the client: SGLang's ``req.finished_output`` (set when ``stream_output``
+  sends its final output), or an ``AbortReq`` output sent for it (an abort while
+  queued); None where the release has no ``finished_output``.
 - ``slots``: per step, live request and position, the ``req_to_token`` entry over every
   position the request has or should have (``max(kv_computed, kv_allocated_len)``);
   ``written`` is True when that entry was written into the row while this request held
@@ -97,7 +100,7 @@ import pandas as pd
 from contract_lib.atomic import atomic_write
 from contract_lib.dtypes import typed
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 
 COLUMNS: dict[str, list[str]] = {
     "steps": [
@@ -117,7 +120,7 @@ COLUMNS: dict[str, list[str]] = {
         "step", "rid", "prompt_len", "emitted", "finished", "req_pool_idx", "seq_len",
         "kv_computed", "kv_committed_len", "kv_allocated_len", "cache_protected_len",
         "cached_tokens", "finish_reason", "finish_message", "retractions",
-        "decode_batch_idx", "kv_prefilled", "max_new_tokens", "finish_matched",
+        "decode_batch_idx", "kv_prefilled", "max_new_tokens", "finish_matched", "end_sent",
     ],
     "slots": ["step", "rid", "req_pool_idx", "position", "slot", "slot_free", "written"],
     "forward_slots": ["launch", "step", "rid", "position", "slot"],

@@ -120,6 +120,15 @@ def dispatched_function(disable_overlap_schedule: bool, mlx: bool,
     return "event_loop_overlap_mlx" if mlx else "event_loop_overlap"
 
 
+def refusal(name: str) -> str | None:
+    """Why a run of the registered loop ``name`` is refused here (one line naming
+    SGLang's requirement), or None for a loop that runs."""
+    spec = LOOP_SPECS[name]
+    if not spec.unsupported:
+        return None
+    return f"loop {name} ({spec.function}) cannot run here: {spec.unsupported}"
+
+
 def loop_functions() -> dict[str, str]:
     """Loop name -> the event-loop function a run of it must enter."""
     return {n: s.function for n, s in LOOP_SPECS.items()}

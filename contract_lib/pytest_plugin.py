@@ -77,7 +77,9 @@ def contract_run(request: pytest.FixtureRequest,
     def run(workload: Any, loop: str = "mlx", patch: Any = None, **run_kwargs: Any) -> "Frames":
         from contract_lib.frames import run_title
         from contract_lib.runs.harness import run as run_loop
+        from contract_lib.runs.loop_choice import runnable
 
+        runnable([loop])  # a loop that cannot run here: its one-line RunSetupError
         frames = run_loop(workload, loop, patch=patch, **run_kwargs)
         path = frames.save(tmp_path / f"run{len(runs)}.{frames.meta['workload']}.{loop}.json")
         runs.append((run_title(frames.meta), frames.status, path))

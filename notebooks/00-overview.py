@@ -226,6 +226,7 @@ assert on_mlx.index[on_mlx[4] == "violated"].tolist() == ["mixed-chunk"]
 # 8. [08 — wrong output](08-wrong-output.ipynb): clause 1 end to end with SGLang's real `MlxModelRunner` and a tiny local model: where the unrecorded positions' KV went on 0.5.21, 0.5.22 and 0.5.23, and the wrong tokens it caused.
 # 9. [09 — omni](09-omni.ipynb): the same contract on a loop from outside SGLang, sglang-omni's `OmniScheduler`.
 # 10. [10 — search](10-search.ipynb): searching for workloads that break a clause, rather than writing them by hand.
+# 11. [11 — disaggregation](11-disaggregation.ipynb): one request across a PD prefill side and a decode side, what the fake transfer shares between them, and two bugs of the disaggregation paths' history replayed (#12839's kind found by clause 2's `finished_output`; #30175, which nothing here can show).
 #
 # Read 01 and 02 together, since they share a root cause: chained decode skips
 # `prepare_for_decode`. 03 is the fixed clause and shows what a regression looks like.

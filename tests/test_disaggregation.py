@@ -6,6 +6,8 @@ what it cannot take, and a mutant of its batch builders turns a clause red."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import contract_lib
@@ -13,6 +15,8 @@ from contract_lib import loops
 from contract_lib.cli import main
 from contract_lib.contract import HOLDS, MASKED, NOT_EXERCISED, VIOLATED, check
 from contract_lib.verdict import Outcome
+
+WORKLOADS = Path(__file__).parent / "workloads"
 
 DISAGG = ("disagg-prefill-normal", "disagg-prefill-overlap", "disagg-decode-normal",
           "disagg-decode-overlap")
@@ -94,6 +98,23 @@ def test_queued_requests_are_in_flight_work(saved):
     assert check(frames).clauses[5].status == NOT_EXERCISED
 
 
+@pytest.mark.fast
+def test_an_ended_request_never_answered_is_clause_2(saved):
+    """``finished_output`` (this project's extension of clause 2): a request that ended
+    has had its final output sent by the boundary that first shows it ended."""
+    frames = saved("priority", "disagg-decode-normal")
+    assert check(frames).clauses[2].status == HOLDS
+    requests = frames.requests
+    ended = requests[requests["finished"].astype(bool)].sort_values("step")
+    rid, step = ended["rid"].iloc[0], int(ended["step"].iloc[0])
+    requests.loc[requests["rid"] == rid, "end_sent"] = False
+    result = check(frames).clauses[2]
+    assert result.status == VIOLATED
+    assert (result.first()["field"], result.first()["rid"], result.first()["step"]) == (
+        "finished_output", rid, step)
+    assert check(frames, "rfc").clauses[2].status == HOLDS  # an extension, not the RFC's
+
+
 # -- real loops ------------------------------------------------------------------------------
 
 
@@ -158,3 +179,39 @@ def test_a_mutant_of_the_decode_side_turns_its_clause_red(workload, loop, mutant
     assert report.clauses[clause].status == status
     assert check(contract_lib.run(workload, loop, patch="fix-processed-tokens-counter")
                  ).clauses[clause].status == HOLDS
+
+
+# -- the disaggregation paths' history (data/bugs.toml) ---------------------------------------
+
+
+@pytest.mark.parametrize("loop", ["disagg-decode-normal", "disagg-decode-overlap"])
+def test_12839s_kind_is_found_by_clause_2_finished_output(loop):
+    """The prebuilt batch processed without ``stream_output``: the requests that end at
+    their hand-off token (a: max_new_tokens 1, b: EOS first) are never answered."""
+    workload = str(WORKLOADS / "first-token-finish.toml")
+    assert check(contract_lib.run(workload, loop)).clauses[2].status == HOLDS
+    report = check(contract_lib.run(workload, loop, patch="prebuilt-skips-stream-output"))
+    result = report.clauses[2]
+    assert result.status == VIOLATED
+    assert set(result.violations["field"]) == {"finished_output"}
+    assert set(result.violations["rid"]) == {"a", "b"}
+    assert (result.first()["step"], result.first()["rid"]) == (1, "a")
+    assert report.verdict().outcome == Outcome.VIOLATED
+
+
+def test_30175_replays_but_nothing_here_can_show_it():
+    """Without the n-gram hook in the disaggregation paths, every table a run records,
+    the effects included, is the unpatched run's: the hook writes nothing for a model
+    without n-gram embedding (the patched loop functions did run)."""
+    for loop in ("disagg-prefill-normal", "disagg-decode-overlap"):
+        plain = contract_lib.run("staggered", loop, audit=True)
+        replay = contract_lib.run("staggered", loop, audit=True,
+                                  patch="disagg-skips-ngram-embedding")
+        assert replay.status == "finished"
+        assert replay.effects["location"].str.contains(
+            "patch disagg-skips-ngram-embedding", regex=False).any()
+        ours, theirs = plain.comparable(), replay.comparable()
+        ours["effects"], theirs["effects"] = (t.drop(columns="location")
+                                              for t in (ours["effects"], theirs["effects"]))
+        for name in ours:
+            assert ours[name].equals(theirs[name]), (loop, name)

@@ -61,7 +61,6 @@ def test_patch_spec_combines_and_validates():
 
 def test_bug_catalog_replays_name_real_patches_and_workloads():
     import contract_lib
-
     from contract_lib.contract import CLAUSES
 
     bugs = bug_catalog()

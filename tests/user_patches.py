@@ -937,6 +937,19 @@ def idle_ignores_the_prealloc_queue():
         "idle-ignores-the-prealloc-queue")
 
 
+def prefill_first_token_shifted():
+    """The prefill side commits the token after the one its forward sampled as the
+    request's first (``process_batch_result_disagg_prefill``): the hand-off is wrong."""
+    from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin
+
+    from contract_lib.patches.builtin import patch_source
+
+    patch_source(SchedulerDisaggregationPrefillMixin, "process_batch_result_disagg_prefill",
+                 [("req.output_ids.append(next_token_id)\n",
+                   "req.output_ids.append(next_token_id + 1)\n")],
+                 "prefill-first-token-shifted")
+
+
 def shutdown_after_three_results():
     """After the third ``process_batch_result`` the scheduler is asked to exit gracefully,
     as a ``ShutdownReq`` does (it only sets ``gracefully_exit``): a loop that checks the

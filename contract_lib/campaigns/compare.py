@@ -77,6 +77,7 @@ from contract_lib.contract import (
 from contract_lib.frames import Frames
 from contract_lib.patches.builtin import patch_spec
 from contract_lib.runs.harness import frames_or_raise, run_many
+from contract_lib.runs.loop_choice import runnable
 from contract_lib.sources.diffs import model_free_notes
 from contract_lib.sources.origin import Source, resolve
 from contract_lib.verdict import ExitCode, Outcome
@@ -232,7 +233,7 @@ class Comparison:
                     change = self._degree(clause, loop)
                 rows.append({"clause": clause, "loop": loop, "base": base, "head": head,
                              "change": change})
-        return pd.DataFrame(rows)
+        return pd.DataFrame(rows, columns=["clause", "loop", "base", "head", "change"])
 
     def _degree(self, clause: str, loop: str) -> str:
         """A clause both sides violate: ``worse`` when the head violates a (workload,
@@ -299,9 +300,12 @@ class Comparison:
         return pd.DataFrame(rows)
 
     def outcome(self) -> Change:
-        """The exit code: the first of :data:`PRECEDENCE` any clause cell has."""
+        """The exit code: the first of :data:`PRECEDENCE` any clause cell has; a usage
+        error when no run earned a cell (every run refused as unsupported)."""
         present = {_DEGREES.get(c) or Change[c.upper().replace("-", "_")]
                    for c in self.clause_table()["change"]}
+        if not present:
+            return Change.USAGE
         return next(c for c in PRECEDENCE if c in present or c == Change.KEPT)
 
     def text(self) -> str:
@@ -342,11 +346,7 @@ def compare(base: Side | str | None, head: Side | str | None,
     workloads = list(workloads or workload_names())
     for workload in workloads:
         load_workload(workload)  # a bad name fails before anything is built
-    loops = list(loops or default_loops(runner))
-    for loop in loops:
-        if loop not in registry.names():
-            raise RunSetupError(f"unknown loop {loop!r}; valid loops: "
-                                f"{', '.join(registry.names())}")
+    loops = list(runnable(loops or default_loops(runner)))
     sources = [side.source() for side in sides]  # one at a time: installs and builds
     keys = [(w, loop) for w in workloads for loop in loops]
     jobs = [{"workload": w, "loop": loop, "patch": side.patch, "cache": cache, "warm": warm,

@@ -32,18 +32,20 @@ _REQUEST = st.tuples(st.integers(0, MAX_REQUESTS - 1), st.booleans(),
 
 
 @st.composite
-def workloads(draw: Callable[[st.SearchStrategy], Any]) -> Workload:
+def workloads(draw: Callable[[st.SearchStrategy], Any], turns: bool = True) -> Workload:
     """A valid workload (ids 10..291, every context well inside 1024 tokens) and server
     args that keep SGLang in the loop asked for. Requests are a list, so shrinking can
     delete any of them; every choice shrinks towards "simpler": fewer requests, shorter
-    prompts, arrival 0, no turn, no shared prefix, no server-arg override."""
+    prompts, arrival 0, no turn, no shared prefix, no server-arg override. ``turns``
+    False: no later turn (a PD prefill side refuses ``turn_of``: its requests end at
+    their first token, so a turn's prompt would not be ``event_loop_normal``'s)."""
     prefix = tuple(range(10, 10 + draw(st.integers(0, MAX_PREFIX))))
     raw = draw(st.lists(_REQUEST, min_size=1, max_size=MAX_REQUESTS))
     requests: list[dict[str, Any]] = []
     context: dict[str, int] = {}  # rid -> longest context (prompt + output), tokens
     for index, (turn, shared, own, new, arrival) in enumerate(raw):
         rid = "abcd"[index]
-        turn_of = requests[(turn - 1) % index]["rid"] if turn and index else None
+        turn_of = requests[(turn - 1) % index]["rid"] if turns and turn and index else None
         shared = shared and bool(prefix) and turn_of is None
         start = 100 + MAX_OWN_PROMPT * index  # distinct tails: ids 100..291
         own = max(own, 0 if (turn_of or shared) else 1)

@@ -50,7 +50,8 @@ from contract_lib.contract.outputs import same_tokens
 from contract_lib.frames import Frames, run_title
 from contract_lib.patches.builtin import PatchSpec, patch_spec
 from contract_lib.paths import PROJECT_ROOT
-from contract_lib.runs.harness import RunSetupError, frames_or_raise, run, run_many
+from contract_lib.runs.harness import frames_or_raise, run, run_many
+from contract_lib.runs.loop_choice import runnable
 from contract_lib.sources.origin import Source, file_part, resolve, run_sglang
 from contract_lib.verdict import loop_mismatch, setup_failed
 from contract_lib.workloads import Workload
@@ -201,9 +202,7 @@ def prepare(campaign: Campaign) -> Source:
     build a scheduler is an error at once. Raises a set-up error
     (:class:`RunSetupError`, :class:`PatchError`, :class:`SourceError`, ...) or
     :class:`SearchSetupError`."""
-    if campaign.loop not in loops.LOOP_SPECS:
-        raise RunSetupError(f"unknown loop {campaign.loop!r}; valid loops: "
-                            f"{', '.join(loops.names())}")
+    runnable([campaign.loop])
     if campaign.clause is not None and campaign.clause not in CLAUSES:
         raise SearchSetupError(f"unknown clause {campaign.clause}; clauses: "
                                f"{', '.join(map(str, CLAUSES))}")
@@ -281,7 +280,7 @@ def search(campaign: Campaign, executor: Executor | None = None,
               suppress_health_check=list(HealthCheck), report_multiple_bugs=False,
               phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink))
     @hypothesis_seed(campaign.seed)
-    @given(workloads())
+    @given(workloads(turns=loops.spec(campaign.loop).disaggregation != loops.PREFILL))
     def probe(workload: Workload) -> None:
         if not locked:
             campaign.generated += 1

@@ -26,6 +26,7 @@ from contract_lib.contract import (
 )
 from contract_lib.patches.builtin import PatchArg, patch_spec
 from contract_lib.runs.harness import frames_or_raise, run_many
+from contract_lib.runs.loop_choice import runnable
 from contract_lib.verdict import Outcome, loop_mismatch, setup_failed, unsupported, worst
 from contract_lib.workloads import workload_names
 
@@ -348,7 +349,7 @@ def releases_status(versions: list[str | None], workloads: list[str] | None = No
     from contract_lib.sources.origin import resolve
 
     workloads = workloads or workload_names()
-    loops = tuple(loops or default_loops(runner))
+    loops = runnable(loops or default_loops(runner))
     spec = patch_spec(patch)
     # Install or build before the parallel runs, one at a time.
     sources = {source.label: (source, v) for v in versions

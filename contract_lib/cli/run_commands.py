@@ -21,6 +21,7 @@ from contract_lib.cli.options import (
 from contract_lib.patches.builtin import patch_spec
 from contract_lib.paths import FRAMES_DIR
 from contract_lib.runs.harness import run
+from contract_lib.runs.loop_choice import runnable
 from contract_lib.verdict import Outcome, setup_failed, worst
 from contract_lib.views.text import run_summary, step_table
 
@@ -73,8 +74,9 @@ def cmd_trace(args) -> int:
     from contract_lib.sources.origin import resolve, run_sglang
 
     # Default: the first reference loop beside the first candidate.
-    chosen = args.loop or [loops.reference_names()[0],
-                           next(n for n in loops.default_names() if not loops.spec(n).reference)]
+    chosen = runnable(args.loop or [
+        loops.reference_names()[0],
+        next(n for n in loops.default_names() if not loops.spec(n).reference)])
     patch = patch_spec(args.patch)
     source = resolve(args.sglang, args.diff)  # a bad tree or diff: exit 2 before any run
     runs = [run(args.workload, loop, patch=patch, cache=not args.no_cache,

@@ -1,5 +1,6 @@
 """The commands over many runs: ``status`` (the clause x loop table), ``audit`` (the
-effects audit), ``compare`` (a base and a head SGLang side by side)."""
+effects audit), ``compare`` (a base and a head SGLang side by side), ``pair`` (a PD
+prefill side, then a decode side)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def cmd_audit(args) -> int:
 
     try:
         result = audit(args.workload, patch=patch_spec(args.patch), sglang=args.sglang,
-                       diff=args.diff)
+                       diff=args.diff, loop=args.loop)
     except AuditRunFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.outcome
@@ -60,8 +61,38 @@ def cmd_compare(args) -> int:
     return result.outcome()
 
 
+def cmd_pair(args) -> int:
+    from contract_lib.campaigns.pair import pair
+
+    result = pair(args.workload, args.prefill, args.decode, patch=patch_spec(args.patch),
+                  clauses=args.clauses, strict_known=args.strict_known,
+                  cache=not args.no_cache, warm=not args.cold, sglang=args.sglang,
+                  diff=args.diff, progress=True)
+    print(result.text())
+    return result.verdict().code
+
+
+def _register_pair(commands) -> None:
+    pair_parser = commands.add_parser(
+        "pair", help="one workload through a PD prefill side, then its handed-off requests "
+        "through a decode side; one table per request across both sides; exit codes as check")
+    pair_parser.add_argument("--workload", required=True,
+                             help="a shipped workload name or a path to a .toml workload")
+    pair_parser.add_argument("--prefill", default="disagg-prefill-normal",
+                             help="the prefill side's loop (default disagg-prefill-normal)")
+    pair_parser.add_argument("--decode", default="disagg-decode-overlap",
+                             help="the decode side's loop (default disagg-decode-overlap)")
+    pair_parser.add_argument("--patch", action="append", help="apply to both sides' runs "
+                             "(repeatable); event_loop_normal stays unpatched")
+    add_clauses_option(pair_parser)
+    add_strict_known_option(pair_parser)
+    add_sglang_options(pair_parser)
+    add_speed_options(pair_parser)
+    pair_parser.set_defaults(handler=cmd_pair)
+
+
 def register(commands) -> None:
-    """Add ``status``, ``audit`` and ``compare`` to the subcommands."""
+    """Add ``status``, ``audit``, ``compare`` and ``pair`` to the subcommands."""
     status_parser = commands.add_parser(
         "status", help="the measured clause x loop table over the shipped workloads")
     status_parser.add_argument("--workload", action="append",
@@ -76,8 +107,14 @@ def register(commands) -> None:
     add_strict_known_option(status_parser)
     status_parser.set_defaults(handler=cmd_status)
     audit_parser = commands.add_parser(
-        "audit", help="effects audit: what the torch loops' steps write that mlx does not")
+        "audit", help="effects audit: what the torch loops' steps write that a candidate "
+        "loop (--loop, default mlx) does not")
     audit_parser.add_argument("--workload", default="two-turn")
+    candidate = next(n for n in loops.default_names() if not loops.spec(n).reference)
+    audit_parser.add_argument("--loop", default=candidate, choices=[
+        n for n in loops.names() if not loops.spec(n).reference],
+        help=f"the candidate loop compared with both torch loops (default {candidate}; a "
+             "PD prefill side is compared at extend launches: it launches no decode)")
     audit_parser.add_argument("--patch", action="append", help="apply to every loop's run")
     add_sglang_options(audit_parser)
     audit_parser.set_defaults(handler=cmd_audit)
@@ -102,3 +139,4 @@ def register(commands) -> None:
     add_clauses_option(compare_parser)
     add_speed_options(compare_parser)
     compare_parser.set_defaults(handler=cmd_compare)
+    _register_pair(commands)

@@ -17,8 +17,10 @@ produced for it, each once, none after it ended; a retraction is counted; and th
 allocator has the radix tree evict at most what an allocation is short of. The
 extension: ``decode_batch_idx``
 equals ``kv_computed - kv_prefilled`` (every decode launch computes exactly one position
-of each of its requests). The radix cache rules are in :mod:`.radix`, what each request
-was served and emitted in :mod:`.emitted`.
+of each of its requests), and a request that ended was answered: its final output sent
+to the client (``finished_output``) by the boundary that first shows it ended. The
+radix cache rules are in :mod:`.radix`, what each request was served and emitted in
+:mod:`.emitted`.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from contract_lib.contract.base import (
     violations,
 )
 from contract_lib.contract.emitted import (
+    answered,
     emitted_as_produced,
     ended_where_sglang_ended_it,
     first_token_after_the_prompt,
@@ -63,7 +66,13 @@ _NO_ROWS = no_rows(field="str", step="int64", rid=object, expected=object, actua
 
 
 def _no_live_request(frames: Frames) -> str | None:
-    return None if live_mask(frames.requests).any() else "no live request had a launched position"
+    """Exercised by a live request's counters, or by a token emitted (what each request
+    was served and emitted: a PD prefill side's requests end in the iteration of their
+    first token, never live at a boundary)."""
+    requests = frames.requests
+    if live_mask(requests).any() or (requests["emitted"] > 0).any():
+        return None
+    return "no live request had a launched position, and no token was emitted"
 
 
 def counters_equal_the_positions_computed(frames: Frames) -> list[pd.DataFrame]:
@@ -167,12 +176,20 @@ def check_counters(frames: Frames) -> ClauseResult:
     return result(2, frames.loop, rows, note)
 
 
-@extend(2, fields=("decode_batch_idx",))
+@extend(2, fields=("decode_batch_idx", "finished_output"))
 def check_counters_extended(frames: Frames) -> ClauseResult:
     """Clause 2 with ``decode_batch_idx`` added to the RFC's three counters (read by SWA
-    eviction, the SWA retain window and mamba tracking)."""
+    eviction, the SWA retain window and mamba tracking), and every ended request
+    answered (``finished_output``, read by the tokenizer manager: the client's response)."""
     base = check_counters(frames)
     requests = frames.requests
+    unanswered = answered(frames)
+    found = base.violations
+    if len(unanswered):
+        found = pd.concat([found, violations(2, frames.loop, unanswered)],
+                          ignore_index=True).sort_values("step", kind="stable").reset_index(
+                              drop=True)
+        base = ClauseResult(2, VIOLATED, base.note, found)
     if "decode_batch_idx" not in requests:
         return base
     alive = requests[live_mask(requests) & requests["decode_batch_idx"].notna()
@@ -183,7 +200,6 @@ def check_counters_extended(frames: Frames) -> ClauseResult:
     expected = (alive["kv_computed"] - alive["kv_prefilled"]).astype("int64")
     value = alive["decode_batch_idx"].astype("int64")
     bad = alive[value != expected]
-    found = base.violations
     if len(bad):
         lag = (expected[bad.index] - value[bad.index])
         direction = pd.Series("lags", index=bad.index).where(lag > 0, "leads")

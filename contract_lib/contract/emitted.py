@@ -289,3 +289,28 @@ def retractions_counted(frames: Frames, order: int) -> list[pd.DataFrame]:
                         "retraction count did not rise" if r else "the retraction count "
                         "rose with no retraction" for r in retracted[bad.index]],
         "order": order})]
+
+
+def answered(frames: Frames) -> pd.DataFrame:
+    """Each request that ended was answered: at the first step boundary that shows it
+    ended, its end has reached the client (``end_sent``: SGLang's ``finished_output``,
+    which ``stream_output`` sets as it sends the final output, or the ``AbortReq``
+    output of an abort while it was queued). Every path that ends a request streams it
+    in the same call (``process_batch_result_*``, the PD prefill side's inflight queue,
+    the decode side's prebuilt batch); one that does not leaves the client waiting for a
+    response that never comes (the kind of SGLang #12839's review: ``stream_output``
+    dropped for prebuilt batches). Not judged where the release has no
+    ``finished_output``. Rows as the other rules' (``field`` ``finished_output``)."""
+    requests = frames.requests
+    if "end_sent" not in requests:
+        return pd.DataFrame()
+    ended = requests[requests["finished"].astype(bool)].sort_values(
+        "step", kind="stable").drop_duplicates("rid")
+    bad = ended[ended["end_sent"].notna() & (ended["end_sent"] == False)]  # noqa: E712
+    return pd.DataFrame({
+        "field": "finished_output", "step": bad["step"].astype("int64"), "rid": bad["rid"],
+        "expected": "its end sent to the client", "actual": "never sent",
+        "explanation": "the request ended (" + bad["finish_reason"].fillna("?").astype(str)
+                       + f") but stream_output never sent its final output "
+                       "(finished_output): the client waits for an answer that never "
+                       "comes"})

@@ -22,6 +22,10 @@ import importlib.util
 import tomllib
 from typing import Callable, Iterable
 
+from contract_lib.patches.disagg_bugs import (
+    disagg_skips_ngram_embedding,
+    prebuilt_skips_stream_output,
+)
 from contract_lib.patches.source import PatchError, patch_source
 from contract_lib.paths import BUG_CATALOG
 from contract_lib.sources.compat import req_kv
@@ -275,6 +279,11 @@ BUILTIN_PATCHES: dict[str, Patch] = {
         Patch("fix-backend-state", "the MLX worker retires a released request's state at "
               "the next launch or at idle", fix_backend_state,
               "backend-state (this project)"),
+        Patch("prebuilt-skips-stream-output", "PD decode: the prebuilt batch's result is "
+              "processed without stream_output", prebuilt_skips_stream_output,
+              "#12839's kind (review: stream_output dropped for fake-extend batches)"),
+        Patch("disagg-skips-ngram-embedding", "PD loops: the per-batch n-gram embedding hook "
+              "skipped", disagg_skips_ngram_embedding, "#30175 (fixed by #31134)"),
     )
 }
 

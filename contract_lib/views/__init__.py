@@ -18,6 +18,7 @@ for two runs of the same input.
 - :mod:`.extensions`: clauses 6 and 7, and clause 2 under memory pressure;
 - :mod:`.audit`: the effects audit; :mod:`.kvpool`: the real MLX runner's KV pool;
 - :mod:`.compare`: a run beside its references (clause statuses, verdicts, tokens);
+- :mod:`.pair_figures`: one request across a PD pair's prefill and decode sides;
 - :mod:`.notebook`: the set-up cell, the verdict line, a parameterised notebook's run.
 """
 
@@ -57,6 +58,7 @@ from contract_lib.views.notebook import (
                                            setup,
                                            verdict_line,
 )
+from contract_lib.views.pair_figures import pair_journey
 from contract_lib.views.relay_figures import relay_events
 from contract_lib.views.slot_figures import SLOT_COLOURS, slot_grid, slot_rows
 from contract_lib.views.stamp_figures import stamps_table, step_stamps
@@ -77,7 +79,7 @@ __all__ = [
     "crash_summary", "damage_by_workload", "damage_summary", "damage_table", "first_violation",
     "frames_around", "idle_predicate", "kv_pool_verdicts", "kv_writes", "later_turns",
     "launch_kinds", "launch_timeline", "md", "memory_pressure", "memory_table",
-    "panels", "radix_reuse", "radix_reuse_table", "recorded_summary", "relay_events",
+    "pair_journey", "panels", "radix_reuse", "radix_reuse_table", "recorded_summary", "relay_events",
     "report_table",
     "retired_lanes", "run_label", "same_tables", "scheduling_clock", "setup",
     "slot_grid", "slot_rows", "stamps_table", "step_explorer", "step_figure",

@@ -8,7 +8,6 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from contract_lib import loops
 from contract_lib.views.style import (
     GREEN,
     ORANGE,
@@ -20,10 +19,9 @@ from contract_lib.views.style import (
     titles,
 )
 
-_CADENCE_COLOURS = {
-    "every decode launch": GREEN, "fresh decode launches only": ORANGE,
-    "some decode launches": SALMON, "outside decode launches": SKY, "never": VERMILLION,
-}
+# By a cadence's first word (``every decode launch``, ``some extend launches``, ...).
+_CADENCE_COLOURS = {"every": GREEN, "fresh": ORANGE, "some": SALMON, "outside": SKY,
+                    "never": VERMILLION}
 
 
 def audit_table(audit) -> pd.DataFrame:
@@ -31,7 +29,7 @@ def audit_table(audit) -> pd.DataFrame:
     findings = audit.findings
     return pd.DataFrame({
         "field": findings["object"] + "." + findings["field"],
-        **{loop: findings[loop] for loop in loops.default_names() if loop in findings},
+        **{loop: findings[loop] for loop in audit.loops},
         "clause": findings["clause"].map(lambda c: "-" if pd.isna(c) else str(int(c))),
         "readers": findings["readers"],
     })
@@ -41,13 +39,14 @@ def audit_cadences(audit) -> Figure:
     """Findings x loops, each cell coloured by how often that loop's steps change the field
     (over decode launches); the right margin names the clause that covers it, if any."""
     table = audit_table(audit)
-    audited = [loop for loop in loops.default_names() if loop in table]
+    audited = list(audit.loops)
     fig, axes = figure(1, panel_width=8.5, height=2.2 + 0.32 * max(1, len(table)))
     ax = axes[0][0]
     for row, record in enumerate(table.itertuples(index=False)):
         for col, loop in enumerate(audited):
             ax.add_patch(Rectangle((col, row), 1, 1, edgecolor="white", linewidth=1.5,
-                                   facecolor=_CADENCE_COLOURS[getattr(record, loop)]))
+                                   facecolor=_CADENCE_COLOURS[
+                                       getattr(record, loop).split()[0]]))
         ax.text(len(audited) + 0.1, row + 0.5,
                 "no clause" if record.clause == "-" else f"clause {record.clause}",
                 va="center", fontsize=8.5,
@@ -63,11 +62,15 @@ def audit_cadences(audit) -> Figure:
         ax.spines[side].set_visible(False)
     ax.tick_params(length=0)
     titles(fig, f"Effects audit: {audit.workload}",
-           "Green: the loop's steps change the field at every decode launch. Orange: only "
-           "at fresh launches (the MLX chain breaks). Salmon: at some. Red: never. Fields "
-           "marked 'no clause' are bookkeeping no clause checks yet.")
-    legend(fig, [Patch(facecolor=c, label=label) for label, c in _CADENCE_COLOURS.items()],
-           ncols=3)
+           f"Green: the loop's steps change the field at every {audit.mode} launch. "
+           "Orange: only at fresh launches (the MLX chain breaks). Salmon: at some. Red: "
+           "never. Fields marked 'no clause' are bookkeeping no clause checks yet.")
+    labels = {"every": f"every {audit.mode} launch",
+              "fresh": f"fresh {audit.mode} launches only",
+              "some": f"some {audit.mode} launches",
+              "outside": f"outside {audit.mode} launches", "never": "never"}
+    legend(fig, [Patch(facecolor=c, label=labels[word])
+                 for word, c in _CADENCE_COLOURS.items()], ncols=3)
     return fig
 
 

@@ -44,7 +44,8 @@ class StepSnapshot:
                 reason.get("type"), reason.get("message"), req.retraction_count,
                 getattr(req, "decode_batch_idx", None), self.kv_prefilled.get(rid),
                 req.sampling_params.max_new_tokens,
-                matched if type(matched := reason.get("matched")) is int else None)))
+                matched if type(matched := reason.get("matched")) is int else None,
+                self._end_sent(rid, req))))
             if row is None or ended:
                 continue
             if free is None:
@@ -58,6 +59,15 @@ class StepSnapshot:
         # One message: the step's frame, taken together (slots column-wise, expanded by
         # the parent into one row per position).
         self.emit(("rows", rows, slot_rows))
+
+    def _end_sent(self, rid: str, req) -> bool | None:
+        """Whether the request's end reached the client: ``stream_output`` sent its
+        final output (``finished_output``), or an ``AbortReq`` output went for it. None
+        (not recorded) where the release has no ``finished_output``, and on sglang-omni,
+        whose own ``stream_output`` sends a finished request to its outbox without it."""
+        if self.omni or not hasattr(req, "finished_output"):
+            return None
+        return bool(req.finished_output) or rid in self.abort_outputs  # None until sent
 
     def _idle_probe(self) -> bool:
         """``is_fully_idle`` with every term but the in-flight ones masked to idle, as each
