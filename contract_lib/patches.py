@@ -157,13 +157,12 @@ def skip_relay_publish() -> None:
     ], "skip-relay-publish")
 
 
-def prefilled_tokens(batch) -> int:
-    """The tokens a launched batch prefills: ``extend_num_tokens`` of an extend or mixed
-    batch less its decode lanes (``decoding_reqs``, one token each); 0 for any other
-    mode."""
-    if not batch.forward_mode.is_extend() or not batch.extend_num_tokens:
-        return 0
-    return int(batch.extend_num_tokens) - len(batch.decoding_reqs or ())
+# The clock advance both loops make, as a source snippet: an extend-mode batch's
+# ``extend_num_tokens`` less its decode lanes (``decoding_reqs``, one token each).
+_PREFILLED_ADVANCE = (
+    "if batch.forward_mode.is_extend() and batch.extend_num_tokens:\n"
+    "    self.processed_tokens_counter += batch.extend_num_tokens - len(\n"
+    "        batch.decoding_reqs or ())\n")
 
 
 def fix_processed_tokens_counter() -> None:
@@ -172,48 +171,48 @@ def fix_processed_tokens_counter() -> None:
     Torch (``run_batch``, every release 0.5.21-0.5.23): ``if batch.extend_num_tokens``
     also fires on decode batches, whose ``extend_num_tokens`` ``prepare_for_decode``
     never resets (the last prefill's value is added at every decode step), and on a
-    mixed batch it counts the decode lanes (``decoding_reqs``); the advance is gated on an extend-mode batch
-    and leaves the decode lanes out. MLX (``_prepare_mlx_launch``, fresh and chained):
-    the loop never advanced it; it now does, by the same amount, after the stamps (a
-    wrapper, so it composes with ``no-forward-ct`` / ``no-launch-ts`` applied first).
-    sglang-omni's ``OmniScheduler.stamp_batch_launch`` ("mirror upstream per-forward
-    bookkeeping", loop ``omni``) copies the same lines and gets the same fix.
+    mixed batch it counts the decode lanes (``decoding_reqs``); the advance is gated on
+    an extend-mode batch and leaves the decode lanes out. MLX (``_prepare_mlx_launch``,
+    fresh and chained): the loop never advanced it; it now does, by the same amount,
+    after the stamps (anchored on ``_sched_idled``, which ``no-forward-ct`` and
+    ``no-launch-ts`` leave, so it composes with them applied first). sglang-omni's
+    ``OmniScheduler.stamp_batch_launch`` ("mirror upstream per-forward bookkeeping",
+    loop ``omni``) copies the same lines and gets the same fix.
     """
     from sglang.srt.managers.scheduler import Scheduler
 
+    label = "fix-processed-tokens-counter"
     advance = [("if batch.extend_num_tokens:\n"
                 "    self.processed_tokens_counter += batch.extend_num_tokens\n",
-                "if batch.forward_mode.is_extend() and batch.extend_num_tokens:\n"
-                "    self.processed_tokens_counter += batch.extend_num_tokens - len(\n"
-                "        batch.decoding_reqs or ())\n")]
-    patch_source(Scheduler, "run_batch", advance, "fix-processed-tokens-counter")
+                _PREFILLED_ADVANCE)]
+    patch_source(Scheduler, "run_batch", advance, label)
     if importlib.util.find_spec("sglang_omni") is not None:  # loop omni: its own copy
         from sglang_omni.scheduling.omni_scheduler import OmniScheduler
 
-        patch_source(OmniScheduler, "stamp_batch_launch", advance,
-                     "fix-processed-tokens-counter")
-    mixin = _mlx_mixin()
-    stamp = mixin._prepare_mlx_launch
-
-    def _prepare_mlx_launch(self, batch) -> None:
-        stamp(self, batch)
-        self.processed_tokens_counter += prefilled_tokens(batch)
-
-    mixin._prepare_mlx_launch = _prepare_mlx_launch
+        patch_source(OmniScheduler, "stamp_batch_launch", advance, label)
+    patch_source(_mlx_mixin(), "_prepare_mlx_launch", [
+        ("self._sched_idled = False\n",
+         "self._sched_idled = False\n" + _PREFILLED_ADVANCE)], label)
 
 
-def retire_released_requests(worker) -> None:
-    """Drop the MLX worker's and runner's state of every request it launched that the
-    scheduler has since released (finished, aborted, or retracted: no ``req_to_token``
-    row). Installed on ``MlxTpModelWorker`` by ``fix-backend-state``; called where
-    nothing is in flight (before a fresh launch, at idle)."""
-    launched = worker.__dict__.setdefault("_launched_reqs", {})
-    for rid, req in list(launched.items()):
+# ``MlxTpModelWorker.retire_released_requests``, added by ``fix-backend-state`` beside
+# ``prepare_for_kv_cache_release`` (``{retraction}``: the retraction-count line, on
+# releases whose worker keeps that count).
+_RETIRE = '''def retire_released_requests(self) -> None:
+    """Drop the MLX state of every launched request the scheduler has since
+    released (finished, aborted, or retracted: no req_to_token row).
+
+    Called where nothing is in flight: before a fresh launch (the overlap
+    loop launches fresh only once every in-flight job is finalized) and
+    from ``Scheduler.on_idle``.
+    """
+    for rid, req in list(self._launched_reqs.items()):
         if req.finished() or req.kv.req_pool_idx is None:
-            worker._mlx_runner.remove_request(rid)
-            worker._mlx_active_rids.discard(rid)
-            getattr(worker, "_req_retraction_count", {}).pop(rid, None)
-            del launched[rid]
+            self._mlx_runner.remove_request(rid)
+            self._mlx_active_rids.discard(rid){retraction}
+            del self._launched_reqs[rid]
+
+'''
 
 
 def fix_backend_state() -> None:
@@ -223,32 +222,40 @@ def fix_backend_state() -> None:
     As shipped, ``MlxTpModelWorker._cleanup_stale_rids`` drops state only at a fresh
     *decode* launch (an extend launch only adds, a chained one never cleans), and a
     retracted request's state only when it is re-prefilled
-    (``_drop_state_if_retracted``); at idle nothing is dropped. The fix: before every
-    fresh launch (the MLX loop launches fresh only once every in-flight job is
-    finalized) and in ``Scheduler.on_idle``, :func:`retire_released_requests`.
+    (``_drop_state_if_retracted``); at idle nothing is dropped. The fix, as source edits
+    (``python -m contract_lib patch export fix-backend-state`` writes them as a diff):
+    the worker remembers every request it launched (``_launched_reqs``) and gains
+    ``retire_released_requests``, called before every fresh launch (the MLX loop
+    launches fresh only once every in-flight job is finalized) and from
+    ``Scheduler.on_idle``.
     """
     from sglang.srt.hardware_backend.mlx import tp_worker
     from sglang.srt.managers.scheduler import Scheduler
 
+    label = "fix-backend-state"
     worker = tp_worker.MlxTpModelWorker
-    launch = worker.async_forward_batch_generation_mlx
-    on_idle = Scheduler.on_idle
-
-    def async_forward_batch_generation_mlx(self, batch):
-        retire_released_requests(self)
-        self.__dict__.setdefault("_launched_reqs", {}).update(
-            {req.rid: req for req in batch.reqs})
-        return launch(self, batch)
-
-    def on_idle_retiring(self) -> None:
-        retire = getattr(self.tp_worker, "retire_released_requests", None)
-        if retire is not None:
-            retire()
-        return on_idle(self)
-
-    worker.async_forward_batch_generation_mlx = async_forward_batch_generation_mlx
-    worker.retire_released_requests = retire_released_requests
-    Scheduler.on_idle = on_idle_retiring
+    kind = "Req" if hasattr(tp_worker, "Req") else "object"  # 0.5.21 imports no Req
+    patch_source(worker, "_init_model_runner", [
+        ("self._mlx_pool_initialized = False\n",
+         "# rid -> Req of every launched request whose MLX state may still be held.\n"
+         f"self._launched_reqs: dict[str, {kind}] = {{}}\n"
+         "self._mlx_pool_initialized = False\n")], label)
+    counted = hasattr(worker, "_drop_state_if_retracted")  # 0.5.22+: retraction counts
+    retire = _RETIRE.format(retraction="\n            self._req_retraction_count.pop(rid, None)"
+                            if counted else "")
+    anchor = "def prepare_for_kv_cache_release(self, req) -> None:"
+    patch_source(worker, "prepare_for_kv_cache_release", [(anchor, retire + anchor)], label)
+    patch_source(worker, "async_forward_batch_generation_mlx", [
+        ("self._ensure_mlx_pool_initialized()\n",
+         "self.retire_released_requests()\n"
+         "self._launched_reqs.update({req.rid: req for req in batch.reqs})\n"
+         "self._ensure_mlx_pool_initialized()\n")], label)
+    patch_source(Scheduler, "on_idle", [
+        ('"""Idle housekeeping: guard, check, metrics, reset, sleep."""\n',
+         '"""Idle housekeeping: guard, check, metrics, reset, sleep."""\n'
+         'retire = getattr(self.tp_worker, "retire_released_requests", None)\n'
+         "if retire is not None:\n"
+         "    retire()\n")], label)
 
 
 BUILTIN_PATCHES: dict[str, Patch] = {
