@@ -5,7 +5,9 @@ SGLang of ``run``, ``check`` and ``status`` (a release, or a source tree), ``--d
 applies upstream diffs to it (:mod:`contract_lib.sources`); ``status`` takes ``--sglang``
 several times to print the tables side by side. ``compare`` runs the same workloads
 through a base and a head SGLang (:mod:`contract_lib.compare`). ``server status|stop``
-shows or stops the warm servers runs fork from (:mod:`contract_lib.pool`).
+shows or stops the warm servers runs fork from (:mod:`contract_lib.pool`). ``patch
+export`` writes a source patch as an upstream diff, ``report`` an upstream issue with its
+fix and regression test (:mod:`contract_lib.cli.report`).
 
 Exit codes (one per outcome, :mod:`contract_lib.verdict`): 0 pass, 1 a clause violated
 (or the MLX KV pool damaged), 2 a usage or set-up error (unknown name, unsupported SGLang,
@@ -27,7 +29,7 @@ import tempfile
 import threading
 import traceback
 
-from contract_lib.cli import runs, tables, tools
+from contract_lib.cli import report, runs, tables, tools
 from contract_lib.cli.options import (EXIT_INTERRUPTED, EXIT_SOFTWARE, EXIT_TERMINATED,
                                       USAGE_ERRORS, server_arg)
 
@@ -40,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run SGLang's real scheduler loops model-free and check the per-step "
                     "contract (see README.md).")
     commands = parser.add_subparsers(dest="command", required=True)
-    for module in (runs, tables, tools):
+    for module in (runs, tables, tools, report):
         module.register(commands)
     return parser
 
