@@ -1,5 +1,6 @@
-"""A campaign's minimal workload as a TOML file under ``data/workloads/found/``, with a
-header stating how it was found and the violation it shows (:mod:`contract_lib.search`)."""
+"""A workload as a TOML file (a campaign's minimal workload under
+``data/workloads/found/``, a report's ``workload.toml``), with a header of comment lines
+stating where it comes from; :func:`load_workload` reads it back to the same workload."""
 
 from __future__ import annotations
 
@@ -20,21 +21,32 @@ def workload_size(workload: Workload) -> dict[str, int]:
 
 
 def to_toml(workload: Workload, header: list[str]) -> str:
-    """The workload as a TOML file (``#`` header lines first) that :func:`load_workload`
-    reads back to the same workload."""
+    """The workload as a TOML file (``#`` header lines first), every field it sets."""
     lines = [f"# {line}" if line else "#" for line in header]
     lines += [f"name = {_toml(workload.name)}", f"max_steps = {workload.max_steps}"]
+    if workload.max_seconds is not None:
+        lines.append(f"max_seconds = {workload.max_seconds!r}")
     if workload.description:
         lines.append(f"description = {_toml(workload.description)}")
-    if workload.server_args:
-        lines += ["", "[server_args]"]
-        lines += [f"{k} = {_toml(v)}" for k, v in workload.server_args.items()]
+    for table in ("server_args", "expect"):
+        values = getattr(workload, table)
+        if values:
+            lines += ["", f"[{table}]"] + [f"{k} = {_toml(v)}" for k, v in values.items()]
     for spec in workload.requests:
         lines += ["", "[[requests]]", f"rid = {_toml(spec.rid)}"]
         if spec.turn_of:
             lines.append(f"turn_of = {_toml(spec.turn_of)}")
         lines += [f"prompt = {_toml(list(spec.prompt))}",
                   f"max_new_tokens = {spec.max_new_tokens}", f"arrival = {spec.arrival}"]
+        if spec.stop_token_ids:
+            lines.append(f"stop_token_ids = {_toml(list(spec.stop_token_ids))}")
+        if spec.emit:
+            lines.append("emit = { " + ", ".join(f"{p} = {t}" for p, t in spec.emit) + " }")
+        if spec.ignore_eos:
+            lines.append("ignore_eos = true")
+        for key in ("abort_at", "priority"):
+            if getattr(spec, key) is not None:
+                lines.append(f"{key} = {getattr(spec, key)}")
     return "\n".join(lines) + "\n"
 
 
