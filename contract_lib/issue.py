@@ -30,6 +30,7 @@ class Written:
     """The report's files, and what the command says and exits with."""
 
     issue: Path
+    title: str
     lines: list[str]
     exit_code: int
 
@@ -80,7 +81,7 @@ def write_files(finding: Finding) -> Written:
                                    if green else "")]
     if finding.fix:
         lines.append(_compare_line(finding))
-    return Written(issue, lines, 0 if ok else 1)
+    return Written(issue, _title(finding), lines, 0 if ok else 1)
 
 
 def _title(finding: Finding) -> str:
@@ -198,9 +199,15 @@ def _violation(finding: Finding, first: dict) -> list[str]:
             f"| {finding.clause} | `{first['field']}` | {first['step']} | "
             f"{first['rid'] if first['rid'] is not None else '-'} | {first['expected']} | "
             f"{first['actual']} |", "",
-            f"{len(violations)} violations in {violations['step'].nunique()} steps, "
-            f"fields {fields}; at the last of them (step {last_step})"
+            f"{_count(len(violations), 'violation')} at "
+            f"{_count(violations['step'].nunique(), 'step')}, "
+            f"field{'s' if fields.count('`') > 2 else ''} {fields}; at the last of them "
+            f"(step {last_step})"
             + (f", requests {', '.join(at_last)}." if at_last else "."), ""]
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
 
 
 def _sites(finding: Finding) -> list[str]:

@@ -92,6 +92,25 @@ def fix_idle_predicate() -> None:
     ], "fix-idle-predicate")
 
 
+def fix_mixed_chunk_relay() -> None:
+    """#32591's read (clause 4): a mixed-chunk batch gathers its decode lanes' input ids
+    from the overlap relay (``future_map.output_tokens_buf``), which only ``run_batch``
+    publishes. The MLX loop publishes each launch's sampled tokens to its batch's rows
+    when it finalizes the launch (before any later launch is built), moved to the
+    relay's device first (the relay lives on the scheduler's device, MLX's tokens on
+    the CPU: #32803)."""
+    patch_source(_mlx_mixin(), "_finalize_mlx_pending_job", [
+        ("    pending.schedule_batch.input_ids = result.next_token_ids\n",
+         "    pending.schedule_batch.input_ids = result.next_token_ids\n"
+         "    # Publish the sampled tokens to the overlap relay, as run_batch does: a\n"
+         "    # mixed-chunk batch gathers its decode lanes' input ids from it.\n"
+         "    relay = self.future_map.output_tokens_buf\n"
+         "    self.future_map.stash_bonus_tokens(\n"
+         "        pending.batch_copy.req_pool_indices.to(relay.device),\n"
+         "        result.next_token_ids.to(relay.device),\n"
+         "    )\n")], "fix-mixed-chunk-relay")
+
+
 def flush_all_decode_kv(self) -> None:
     """Sync all active requests' un-flushed decode KV to the pool (0.5.21's
     ``MlxModelRunner.flush_all_decode_kv``, verbatim; installed by ``unclamped-sync``)."""
@@ -270,6 +289,9 @@ BUILTIN_PATCHES: dict[str, Patch] = {
               "#30093 (approach of #33874, #40046)"),
         Patch("fix-idle-predicate", "is_fully_idle's queue term tests either overlap loop",
               fix_idle_predicate, "#32934"),
+        Patch("fix-mixed-chunk-relay", "the MLX loop publishes each launch's sampled "
+              "tokens to the overlap relay (what a mixed-chunk batch reads)",
+              fix_mixed_chunk_relay, "#32591 (which rejected the flag instead)"),
         Patch("skip-relay-publish", "torch run_batch skips the FutureMap relay publish "
               "(a deliberate break)", skip_relay_publish, "none (demonstration)"),
         Patch("unclamped-sync", "<= 0.5.21's decode-KV pool sync on 0.5.22+: unclamped, "

@@ -108,6 +108,10 @@ class Campaign:
         words += [f"--patch {p}" for p in PatchSpec(self.patch or "").parts]
         if self.clause:
             words.append(f"--clause {self.clause}")
+        if self.strict_known:
+            words.append("--strict-known")
+        if not self.database:
+            words.append("--no-database")
         return " ".join(words + [f"--budget {self.budget}", f"--seed {self.seed}"])
 
 

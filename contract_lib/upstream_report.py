@@ -198,9 +198,8 @@ def _shrink(request: ReportRequest, workload: Workload,
     if campaign.found is None or campaign.found[1].kind != "violation":
         return workload, None
     found = dataclasses.replace(campaign.found[0], name=f"{workload.name}.minimal")
-    return found, (f"{campaign.command()} --strict-known (no example database): "
-                   f"{campaign.examples} examples tried, {campaign.runs} workloads run "
-                   "in all")
+    return found, (f"{campaign.command()}: {campaign.examples} examples tried, "
+                   f"{campaign.runs} workloads run in all")
 
 
 def matching_bug(report: Report, clause: int, loop: str) -> dict[str, Any] | None:

@@ -327,6 +327,7 @@ JUDGED = {
     "unclamped-sync": ("violated", "violated"),
     "fix-processed-tokens-counter": (HOLDS, "violated"),
     "fix-backend-state": ("violated", HOLDS),
+    "fix-mixed-chunk-relay": ("violated", "violated"),
 }
 
 
