@@ -20,9 +20,12 @@ from contract_lib import loops
 from contract_lib.contract import CLAUSES, check, origin, violation_message
 from contract_lib.regression import PytestRun, destination, render_test, run_test
 from contract_lib.sites import Site
-from contract_lib.upstream_report import Finding, display, stable_frames
+from contract_lib.upstream_report import (Finding, ReportRequest, display, measure,
+                                         stable_frames)
 
-SHOWN_SITES = 6  # writers and readers listed per field (all of them in a <details>)
+SHOWN_SITES = 6  # writers and readers listed per field
+DETAILED_SITES = 40  # lines on the loop's path listed per field in a <details>
+OTHER = 9  # the rank of a line off the loop's path
 
 
 @dataclasses.dataclass
@@ -36,6 +39,12 @@ class Written:
 
     def summary(self) -> list[str]:
         return self.lines
+
+
+def write_report(request: ReportRequest) -> Written:
+    """Measure the finding (:func:`contract_lib.upstream_report.measure`) and write the
+    report's files into ``request.out``."""
+    return write_files(measure(request))
 
 
 def slug_of(finding: Finding) -> str:
@@ -227,9 +236,17 @@ def _sites(finding: Finding) -> list[str]:
             more = f"; and {len(ranked) - SHOWN_SITES} more" if len(ranked) > SHOWN_SITES else ""
             lines.append(f"- `{field.rsplit('.', 1)[-1]}` {kind} ({len(ranked)}): "
                          f"{shown or 'none'}{more}")
-    lines += ["", "<details><summary>every line</summary>", "", "```"]
+    lines += ["", "<details><summary>the lines on the loop's path</summary>", "", "```"]
     for field, sites in finding.sites.items():
-        lines += [f"{field}:"] + [f"  {'W' if s.write else 'R'} {s}" for s in sites]
+        near = [s for s in sites if _rank(s, finding.request.loop) < OTHER]
+        shown = near[:DETAILED_SITES]
+        elsewhere = len(sites) - len(near)
+        lines += [f"{field}:"] + [f"  {'W' if s.write else 'R'} {s}" for s in shown]
+        if len(near) > len(shown):
+            lines.append(f"  ... and {len(near) - len(shown)} more there")
+        if elsewhere:
+            lines.append(f"  ({elsewhere} more elsewhere in srt/: other backends, "
+                         "speculative decoding, disaggregation, ...)")
     return lines + ["```", "", "</details>", ""]
 
 
@@ -240,7 +257,7 @@ def _rank(site: Site, loop: str) -> int:
     for rank, part in enumerate((*first, "managers/", "mem_cache/")):
         if f"/srt/{part}" in site.path:
             return rank
-    return 9
+    return OTHER
 
 
 def _releases(finding: Finding) -> list[str]:

@@ -1,21 +1,21 @@
-"""From a violated clause to an upstream report (``python -m contract_lib report``).
+"""From a violated clause to the evidence of an upstream report (``python -m
+contract_lib report``).
 
 One run of a workload through a loop (with its patches) is checked with known upstream
 bugs counted as failures (``strict_known``); the reported clause is the first it
-violates (or ``--clause N``). The report gathers, each measured now:
+violates (or ``--clause N``). :func:`measure` gathers, each measured now:
 
 - the minimal workload (``--shrink``: :mod:`contract_lib.search` for the clause, seed 0,
   no example database, so a regenerated report finds the same one);
 - the same check on every supported release (the releases affected);
 - the SGLang lines that write and read the violated fields (:mod:`contract_lib.sites`);
 - the fix as a diff (``--fix-diff``, or ``--fix NAME`` exported by
-  :mod:`contract_lib.export`) judged by :func:`contract_lib.compare.compare`;
-- a regression test in SGLang's layout, run with pytest without and with the fix
-  (:mod:`contract_lib.regression_test`);
-- the frames (wall-clock columns blanked) and the clause's figure.
+  :mod:`contract_lib.export`) judged by :func:`contract_lib.compare.compare`.
 
-:mod:`contract_lib.issue` writes them as Markdown. Nothing here reads a clock or an
-absolute path into the files, so a report regenerated gives the same bytes.
+:mod:`contract_lib.issue` writes them as Markdown with the frames, the figure and the
+regression test (:mod:`contract_lib.regression`); ``issue.write_report`` runs both.
+Nothing here reads a clock or an absolute path into the files, so a report regenerated
+gives the same bytes.
 """
 
 from __future__ import annotations
@@ -114,17 +114,6 @@ def display(path: Path) -> str:
     return str(path) if relative.startswith("..") else relative
 
 
-def write_report(request: ReportRequest):
-    """Measure the finding and write the report's files into ``request.out``; returns
-    :class:`contract_lib.issue.Written` (its files, summary and exit code)."""
-    from contract_lib.issue import write_files
-
-    _validate(request)
-    request.out.mkdir(parents=True, exist_ok=True)
-    finding = measure(request)
-    return write_files(finding)
-
-
 def _validate(request: ReportRequest) -> None:
     """One-line errors, before anything runs."""
     if request.loop not in loops.names():
@@ -140,8 +129,11 @@ def _validate(request: ReportRequest) -> None:
 
 
 def measure(request: ReportRequest) -> Finding:
-    """Run, check, shrink, and gather the report's evidence (files are written by
-    :func:`contract_lib.issue.write_files`)."""
+    """Check the request (one-line errors before anything runs), then run, check, shrink
+    and gather the report's evidence into ``request.out`` (the issue and the test are
+    written by :func:`contract_lib.issue.write_files`)."""
+    _validate(request)
+    request.out.mkdir(parents=True, exist_ok=True)
     workload = load_workload(request.workload)
     fix = _fix_diff(request)  # a fix that cannot be exported fails before any run
     frames, report = _checked(request, workload)

@@ -26,7 +26,8 @@ def cmd_patch_export(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from contract_lib.upstream_report import ReportRequest, write_report
+    from contract_lib.issue import write_report
+    from contract_lib.upstream_report import ReportRequest
 
     request = ReportRequest(loop=args.loop, workload=args.workload, patch=args.patch,
                             fix=args.fix, fix_diff=args.fix_diff, shrink=args.shrink,
