@@ -212,7 +212,8 @@ def _violation(finding: Finding, first: dict) -> list[str]:
             f"{_count(violations['step'].nunique(), 'step')}, "
             f"field{'s' if fields.count('`') > 2 else ''} {fields}; at the last of them "
             f"(step {last_step})"
-            + (f", requests {', '.join(at_last)}." if at_last else "."), ""]
+            + (f", request{'s' if len(at_last) > 1 else ''} {', '.join(at_last)}."
+               if at_last else "."), ""]
 
 
 def _count(n: int, word: str) -> str:
