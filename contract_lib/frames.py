@@ -63,8 +63,7 @@ Tables (pandas DataFrames; the column lists below are the schema):
   tokens: ``verdict`` ``ok`` / ``zero`` / ``wrong`` and ``max_abs_diff``. The model-free
   runner's pool holds contents, not KV (per slot, a digest of the tokens it was computed
   from, :class:`contract_lib.child.shims.mlx_runner.ModelFreeKvPool`): the same verdicts,
-  ``max_abs_diff`` NaN.
-
+  ``max_abs_diff`` NaN. The torch loops and omni leave ``kv_syncs`` and ``kv_pool`` empty.
 - ``prebuilt`` (PD-disaggregation decode side): every request a prebuilt batch admitted
   (``get_new_prebuilt_batch``: no forward; its KV arrived by transfer, or was restored
   after a retraction): ``kv_computed`` the positions whose KV it put in place (the
@@ -75,11 +74,7 @@ Tables (pandas DataFrames; the column lists below are the schema):
 
 ``steps.disagg_queued`` counts the requests in the PD-disaggregation queues (prefill:
 bootstrap and inflight; decode: preallocation, retracted and transfer), None on other
-loops.
-
-The torch loops and omni leave ``kv_syncs`` and ``kv_pool`` empty.
-
-Each column's dtype is declared by its name in :data:`contract_lib.dtypes.KINDS`, and is
+loops. Each column's dtype is declared by its name in :data:`contract_lib.dtypes.KINDS`, and is
 the same whether the run is fresh or read back from a file or the frame cache.
 ``WALL_CLOCK_COLUMNS`` are kept out of every comparison between runs.
 """
@@ -138,9 +133,7 @@ COLUMNS: dict[str, list[str]] = {
     "prebuilt": ["step", "rid", "kv_computed", "token", "transfer"],
 }
 
-# The ``kv_pool`` table's verdicts: a radix-matched slot's KV as computed (``ok``), never
-# written (``zero``) or another's (``wrong``).
-KV_VERDICTS = ("ok", "zero", "wrong")
+KV_VERDICTS = ("ok", "zero", "wrong")  # ``kv_pool.verdict``: as computed, unwritten, another's
 
 WALL_CLOCK_COLUMNS: dict[str, list[str]] = {
     "steps": ["wall_time"],

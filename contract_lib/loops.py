@@ -18,7 +18,7 @@ import dataclasses
 REFERENCE, CANDIDATE = "reference", "candidate"
 # Families: how the scheduler is built and fed. ``sglang``: SGLang's own ``Scheduler``
 # built by its ``__init__`` and fed through a scripted ``request_receiver``; ``omni``:
-# sglang-omni's ``OmniScheduler`` (:mod:`contract_lib.child.omni`), fed through its inbox.
+# sglang-omni's ``OmniScheduler`` (:mod:`contract_lib.child.omni_build`), fed through its inbox.
 SGLANG, OMNI = "sglang", "omni"
 # PD-disaggregation roles (``ServerArgs.disaggregation_mode``).
 PREFILL, DECODE = "prefill", "decode"

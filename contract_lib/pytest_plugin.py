@@ -11,7 +11,9 @@ each run and the file its frames were saved to (``Frames.load`` reads it back).
 A run whose only findings are catalogued upstream bugs reproduced exactly
 (``assert_contract`` raises ``KnownUpstreamBug``) is reported as ``xfail`` with the
 bugs named, as the command line's ``check`` exits 0 on it; ``--contract-strict-known``
-makes it a failure, as ``check --strict-known`` does.
+makes it a failure, as ``check --strict-known`` does. ``--contract-diff FILE`` applies an
+upstream diff (a fix under review) to the SGLang of every run, as ``check --diff`` does,
+so a test can be run with and without a fix without installing it.
 
 pytest imports this module in every session of every project where contract_lib is
 installed, so it imports nothing but pytest and the package's face (which imports its
@@ -36,6 +38,7 @@ _RUNS = pytest.StashKey[list]()  # per test item: (run title, status, frames fil
 
 
 STRICT_KNOWN = "--contract-strict-known"
+DIFF = "--contract-diff"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -43,6 +46,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         STRICT_KNOWN, action="store_true", dest="contract_strict_known",
         help="fail a test whose run reproduces catalogued upstream bugs exactly "
              "(by default: xfail, naming them)")
+    parser.getgroup("contract_lib").addoption(
+        DIFF, action="append", default=[], dest="contract_diff", metavar="FILE",
+        help="apply this upstream diff (a/python/sglang/...) to the SGLang of every "
+             "contract_run, before the test's own diffs (repeatable)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -70,9 +77,12 @@ def contract_run(request: pytest.FixtureRequest,
     ``contract_lib.run``; finished runs are served from its frame cache unless
     ``cache=False``. Bad input raises its one-line error (``WorkloadError``,
     ``RunSetupError``, ``UnsupportedSGLangError`` for an SGLang contract_lib cannot
-    drive). Every run's frames are saved in the test's ``tmp_path``.
+    drive). Every run's frames are saved in the test's ``tmp_path``. Diffs given with
+    ``--contract-diff`` are applied first.
     """
     runs = request.node.stash.setdefault(_RUNS, [])
+    invoked = request.config.invocation_params.dir
+    given = [invoked / d for d in request.config.getoption("contract_diff")]
 
     def run(workload: Any, loop: str = "mlx", patch: Any = None, **run_kwargs: Any) -> "Frames":
         from contract_lib.frames import run_title
@@ -80,7 +90,10 @@ def contract_run(request: pytest.FixtureRequest,
         from contract_lib.runs.loop_choice import runnable
 
         runnable([loop])  # a loop that cannot run here: its one-line RunSetupError
-        frames = run_loop(workload, loop, patch=patch, **run_kwargs)
+        own = run_kwargs.pop("diff", None)
+        own = [own] if isinstance(own, (str, Path)) else list(own or ())
+        diff = [*given, *own] or None
+        frames = run_loop(workload, loop, patch=patch, diff=diff, **run_kwargs)
         path = frames.save(tmp_path / f"run{len(runs)}.{frames.meta['workload']}.{loop}.json")
         runs.append((run_title(frames.meta), frames.status, path))
         return frames

@@ -63,6 +63,10 @@ def test_a_bad_side_is_a_usage_error(text, expected):
     (HOLDS, "vacuous", cmp.Change.VACUOUS),
     ("damaged", "intact", cmp.Change.FIXED),  # the real runner's KV pool row
     ("intact", "damaged", cmp.Change.BROKE),
+    # no cell: the KV pool row on a torch loop (it read "not-finished", exit 3), and on a
+    # side whose MLX run crashed (its table lacked the row: KeyError, exit 70)
+    ("-", "-", cmp.Change.KEPT),
+    ("damaged", "-", cmp.Change.KEPT),
 ])
 def test_what_the_head_did_to_a_clause(base, head, change):
     assert cmp.classify(base, head) == change

@@ -8,13 +8,8 @@ import sys
 
 import pytest
 
-from contract_lib.patches.builtin import (
-    BUILTIN_PATCHES,
-    PatchError,
-    bug_catalog,
-    patch_source,
-    patch_spec,
-)
+from contract_lib.patches.builtin import BUILTIN_PATCHES, PatchError, patch_source, patch_spec
+from contract_lib.patches.catalog import bug_catalog
 
 
 @pytest.fixture()

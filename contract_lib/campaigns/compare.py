@@ -112,6 +112,7 @@ _FATES = {SETUP_ERROR: Change.USAGE, VACUOUS: Change.VACUOUS,
           "interrupted": Change.INTERRUPTED}
 # A clause violated on both sides, more or less on the head: the exit code each counts as.
 _DEGREES = {"worse": Change.BROKE, "better": Change.KEPT}
+NO_CELL = "-"  # a row with nothing to judge in this column or on this side
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +161,11 @@ def parse_side(text: str | None) -> Side:
 
 def classify(base: str, head: str) -> Change:
     """What the head did to one (clause, loop) cell, from the two sides' worst statuses
-    over the workloads (:meth:`contract_lib.campaigns.status.Status.table`'s cells)."""
+    over the workloads (:meth:`contract_lib.campaigns.status.Status.table`'s cells). ``-``: the
+    row has no cell there (no MLX KV pool on a torch loop; a side whose MLX runs earned
+    no pool verdict, whose clause rows say why): nothing changed in it."""
+    if NO_CELL in (base, head):
+        return Change.KEPT
     for status in (base, head):
         if status not in _BAD | _CLEAN:
             return _FATES.get(status, Change.NOT_FINISHED)
@@ -224,6 +229,8 @@ class Comparison:
         pool_row = any(status.leaks() for status in statuses)  # on both sides, or neither
         tables = [dataclasses.replace(status, pool_row=pool_row).table()
                   for status in statuses]
+        rows_of_both = tables[0].index.append(tables[1].index.difference(tables[0].index))
+        tables = [table.reindex(rows_of_both, fill_value=NO_CELL) for table in tables]
         rows = []
         for clause in tables[0].index:
             for loop in tables[0].columns:

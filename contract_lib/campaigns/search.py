@@ -94,6 +94,7 @@ class Campaign:
     budget: int = 100
     seed: int = 0
     clauses: str = "all"       # the clause set checked: "all" or "rfc"
+    strict_known: bool = False  # a catalogued upstream bug reproduced exactly is a finding
     shrink_budget: int = 150   # runs allowed after the first finding
     database: bool = True
     cache: bool = True
@@ -124,6 +125,10 @@ class Campaign:
         words += [f"--diff {diff}" for diff in self.diffs]
         if self.clause:
             words.append(f"--clause {self.clause}")
+        if self.strict_known:
+            words.append("--strict-known")
+        if not self.database:
+            words.append("--no-database")
         return " ".join(words + [f"--budget {self.budget}", f"--seed {self.seed}"])
 
 
@@ -149,7 +154,8 @@ def judge(frames: Frames, reference: Frames | None, clause: int | None,
     the same workload (None: no token comparison). ``clauses``: the clause set checked
     (``all`` or ``rfc``); ``report``: that check, when the caller has it already. A
     clause whose violations are exactly a catalogued upstream bug's (``Report.known``,
-    e.g. the torch loops' own clause 6) is not a finding: it is known."""
+    e.g. the torch loops' own clause 6) is not a finding: it is known, unless the
+    report was made with ``strict_known``."""
     report = report if report is not None else check(frames, clauses)
     for number, result in report.failing().items():
         if clause is not None and number != clause:
@@ -323,7 +329,8 @@ def _evaluate(campaign: Campaign, workload: Workload,
     ours, *others = [executor.submit(run, workload, **job) for job in _jobs(campaign)]
     theirs = others[0] if others else None
     frames = ours.result()
-    report = check(frames, campaign.clauses)  # once, while the reference still runs
+    report = check(frames, campaign.clauses,  # once, while the reference still runs
+                   campaign.strict_known)
     reference = theirs.result() if theirs else None
     why = _discarded(frames, report)
     if why:

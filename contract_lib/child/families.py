@@ -221,7 +221,7 @@ class DisaggregationFamily(SGLangFamily):
 
 
 class OmniFamily(SGLangFamily):
-    """sglang-omni's ``OmniScheduler`` (module docstring; :mod:`contract_lib.child.omni`)."""
+    """sglang-omni's ``OmniScheduler`` (module docstring; :mod:`contract_lib.child.omni_build`)."""
 
     def refuse(self, workload: Workload) -> None:
         """Aborts and priorities go through SGLang's ingress (``AbortReq``, the request's
@@ -235,7 +235,7 @@ class OmniFamily(SGLangFamily):
                               "ingress; run this workload on normal, overlap or mlx")
 
     def install_shims(self, omni_dir: str | None, on_launch: OnLaunch) -> list[str]:
-        from contract_lib.child import omni
+        from contract_lib.child import omni_build as omni
 
         return omni.install_shims(omni_dir, on_launch)
 
@@ -243,7 +243,7 @@ class OmniFamily(SGLangFamily):
               workload_args: dict[str, Any], applied: list[str],
               timing: dict[str, float]):
         """Its ``ModelWorker`` publishes the runtime context; no loop flag to check."""
-        from contract_lib.child import omni
+        from contract_lib.child import omni_build as omni
 
         built = time.perf_counter()
         scheduler = omni.build_scheduler(server_args)

@@ -6,7 +6,9 @@ release, or a source tree), and ``--diff FILE`` applies upstream diffs to it
 (:mod:`contract_lib.sources.origin`); ``status`` takes ``--sglang``
 several times to print the tables side by side. ``compare`` runs the same workloads
 through a base and a head SGLang (:mod:`contract_lib.campaigns.compare`). ``server status|stop``
-shows or stops the warm servers runs fork from (:mod:`contract_lib.runs.pool`).
+shows or stops the warm servers runs fork from (:mod:`contract_lib.runs.pool`). ``patch
+export`` writes a source patch as an upstream diff, ``report`` an upstream issue with its
+fix and regression test (:mod:`contract_lib.cli.report_commands`).
 
 Exit codes (one per outcome, :mod:`contract_lib.verdict`): 0 pass, 1 a clause violated
 (or the MLX KV pool damaged), 2 a usage or set-up error (unknown name, unsupported SGLang,
@@ -29,6 +31,7 @@ import threading
 import traceback
 
 from contract_lib.cli import (
+    report_commands as report,
     run_commands as runs,
     table_commands as tables,
     tool_commands as tools,
@@ -50,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run SGLang's real scheduler loops model-free and check the per-step "
                     "contract (see README.md).")
     commands = parser.add_subparsers(dest="command", required=True)
-    for module in (runs, tables, tools):
+    for module in (runs, tables, tools, report):
         module.register(commands)
     return parser
 

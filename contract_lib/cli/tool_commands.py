@@ -31,7 +31,8 @@ def cmd_search(args) -> int:
         raise RunSetupError("--seeds must be at least 1")
     patch = patch_spec(args.patch)
     campaigns = [Campaign(args.loop, patch, args.clause, args.budget, args.seed + k,
-                          clauses=args.clauses, shrink_budget=args.shrink_budget,
+                          clauses=args.clauses, strict_known=args.strict_known,
+                          shrink_budget=args.shrink_budget,
                           database=not args.no_database, cache=not args.no_cache,
                           sglang=args.sglang, diffs=tuple(args.diff or ()))
                  for k in range(args.seeds)]
@@ -180,7 +181,10 @@ def register(commands) -> None:
                                "tokens still count)")
     search_parser.add_argument("--clauses", choices=CLAUSE_SETS, default="all",
                                help="the clause set checked, as for check (a known "
-                               "upstream bug reproduced exactly is no finding)")
+                               "upstream bug reproduced exactly is no finding, unless "
+                               "--strict-known)")
+    search_parser.add_argument("--strict-known", action="store_true", help="a catalogued "
+                               "upstream bug reproduced exactly is a finding too")
     search_parser.add_argument("--budget", type=int, default=100,
                                help="examples to generate before giving up (default 100)")
     search_parser.add_argument("--shrink-budget", type=int, default=150,

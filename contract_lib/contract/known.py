@@ -23,13 +23,12 @@ Catalogued bugs without a signature are reported as plain violations.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import tomllib
 from typing import Callable
 
 import pandas as pd
 
 from contract_lib.contract.base import NOT_EXERCISED, NOT_PRESENT
+from contract_lib.patches.catalog import bug as catalogued
 from contract_lib.paths import BUG_CATALOG
 
 # Frames -> one row per place the clause checks: field, step, rid (None for a per-step
@@ -75,18 +74,11 @@ class KnownMatch:
 SIGNATURES: dict[str, KnownBug] = {}
 
 
-@functools.lru_cache(maxsize=1)
-def catalogue() -> dict[str, dict]:
-    """``data/bugs.toml``'s entries by id."""
-    with open(BUG_CATALOG, "rb") as handle:
-        return {entry["id"]: entry for entry in tomllib.load(handle)["bug"]}
-
-
 def known_bug(bug_id: str) -> Callable[[Prediction], Prediction]:
     """Decorator: the decorated function is ``bug_id``'s signature (its clause, field,
     loops and fix are the catalogue's)."""
     def declare(predict: Prediction) -> Prediction:
-        entry = catalogue()[bug_id]
+        entry = catalogued(bug_id)
         SIGNATURES[bug_id] = KnownBug(bug_id, int(entry["clause"]), entry["field"],
                                       tuple(entry.get("loops", ())), entry.get("fix"),
                                       predict)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
-import tomllib
 from typing import Callable, Iterable
 
 from contract_lib.patches.disagg_bugs import (
@@ -27,11 +26,9 @@ from contract_lib.patches.disagg_bugs import (
     prebuilt_skips_stream_output,
 )
 from contract_lib.patches.source import PatchError, patch_source
-from contract_lib.paths import BUG_CATALOG
-from contract_lib.sources.compat import req_kv
 
 __all__ = ["BUILTIN_PATCHES", "Patch", "PatchArg", "PatchError", "PatchSpec", "apply_patch",
-           "bug_catalog", "patch_source", "patch_spec", "resolve_patch"]
+           "patch_source", "patch_spec", "resolve_patch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +92,25 @@ def fix_idle_predicate() -> None:
          "(not (self.enable_overlap or self.enable_overlap_mlx)"
          " or len(self.result_queue) == 0)"),
     ], "fix-idle-predicate")
+
+
+def fix_mixed_chunk_relay() -> None:
+    """#32591's read (clause 4): a mixed-chunk batch gathers its decode lanes' input ids
+    from the overlap relay (``future_map.output_tokens_buf``), which only ``run_batch``
+    publishes. The MLX loop publishes each launch's sampled tokens to its batch's rows
+    when it finalizes the launch (before any later launch is built), moved to the
+    relay's device first (the relay lives on the scheduler's device, MLX's tokens on
+    the CPU: #32803)."""
+    patch_source(_mlx_mixin(), "_finalize_mlx_pending_job", [
+        ("    pending.schedule_batch.input_ids = result.next_token_ids\n",
+         "    pending.schedule_batch.input_ids = result.next_token_ids\n"
+         "    # Publish the sampled tokens to the overlap relay, as run_batch does: a\n"
+         "    # mixed-chunk batch gathers its decode lanes' input ids from it.\n"
+         "    relay = self.future_map.output_tokens_buf\n"
+         "    self.future_map.stash_bonus_tokens(\n"
+         "        pending.batch_copy.req_pool_indices.to(relay.device),\n"
+         "        result.next_token_ids.to(relay.device),\n"
+         "    )\n")], "fix-mixed-chunk-relay")
 
 
 def flush_all_decode_kv(self) -> None:
@@ -162,13 +178,12 @@ def skip_relay_publish() -> None:
     ], "skip-relay-publish")
 
 
-def prefilled_tokens(batch) -> int:
-    """The tokens a launched batch prefills: ``extend_num_tokens`` of an extend or mixed
-    batch less its decode lanes (``decoding_reqs``, one token each); 0 for any other
-    mode."""
-    if not batch.forward_mode.is_extend() or not batch.extend_num_tokens:
-        return 0
-    return int(batch.extend_num_tokens) - len(batch.decoding_reqs or ())
+# The clock advance both loops make, as a source snippet: an extend-mode batch's
+# ``extend_num_tokens`` less its decode lanes (``decoding_reqs``, one token each).
+_PREFILLED_ADVANCE = (
+    "if batch.forward_mode.is_extend() and batch.extend_num_tokens:\n"
+    "    self.processed_tokens_counter += batch.extend_num_tokens - len(\n"
+    "        batch.decoding_reqs or ())\n")
 
 
 def fix_processed_tokens_counter() -> None:
@@ -177,48 +192,48 @@ def fix_processed_tokens_counter() -> None:
     Torch (``run_batch``, every release 0.5.21-0.5.23): ``if batch.extend_num_tokens``
     also fires on decode batches, whose ``extend_num_tokens`` ``prepare_for_decode``
     never resets (the last prefill's value is added at every decode step), and on a
-    mixed batch it counts the decode lanes (``decoding_reqs``); the advance is gated on an extend-mode batch
-    and leaves the decode lanes out. MLX (``_prepare_mlx_launch``, fresh and chained):
-    the loop never advanced it; it now does, by the same amount, after the stamps (a
-    wrapper, so it composes with ``no-forward-ct`` / ``no-launch-ts`` applied first).
-    sglang-omni's ``OmniScheduler.stamp_batch_launch`` ("mirror upstream per-forward
-    bookkeeping", loop ``omni``) copies the same lines and gets the same fix.
+    mixed batch it counts the decode lanes (``decoding_reqs``); the advance is gated on
+    an extend-mode batch and leaves the decode lanes out. MLX (``_prepare_mlx_launch``,
+    fresh and chained): the loop never advanced it; it now does, by the same amount,
+    after the stamps (anchored on ``_sched_idled``, which ``no-forward-ct`` and
+    ``no-launch-ts`` leave, so it composes with them applied first). sglang-omni's
+    ``OmniScheduler.stamp_batch_launch`` ("mirror upstream per-forward bookkeeping",
+    loop ``omni``) copies the same lines and gets the same fix.
     """
     from sglang.srt.managers.scheduler import Scheduler
 
+    label = "fix-processed-tokens-counter"
     advance = [("if batch.extend_num_tokens:\n"
                 "    self.processed_tokens_counter += batch.extend_num_tokens\n",
-                "if batch.forward_mode.is_extend() and batch.extend_num_tokens:\n"
-                "    self.processed_tokens_counter += batch.extend_num_tokens - len(\n"
-                "        batch.decoding_reqs or ())\n")]
-    patch_source(Scheduler, "run_batch", advance, "fix-processed-tokens-counter")
+                _PREFILLED_ADVANCE)]
+    patch_source(Scheduler, "run_batch", advance, label)
     if importlib.util.find_spec("sglang_omni") is not None:  # loop omni: its own copy
         from sglang_omni.scheduling.omni_scheduler import OmniScheduler
 
-        patch_source(OmniScheduler, "stamp_batch_launch", advance,
-                     "fix-processed-tokens-counter")
-    mixin = _mlx_mixin()
-    stamp = mixin._prepare_mlx_launch
-
-    def _prepare_mlx_launch(self, batch) -> None:
-        stamp(self, batch)
-        self.processed_tokens_counter += prefilled_tokens(batch)
-
-    mixin._prepare_mlx_launch = _prepare_mlx_launch
+        patch_source(OmniScheduler, "stamp_batch_launch", advance, label)
+    patch_source(_mlx_mixin(), "_prepare_mlx_launch", [
+        ("self._sched_idled = False\n",
+         "self._sched_idled = False\n" + _PREFILLED_ADVANCE)], label)
 
 
-def retire_released_requests(worker) -> None:
-    """Drop the MLX worker's and runner's state of every request it launched that the
-    scheduler has since released (finished, aborted, or retracted: no ``req_to_token``
-    row). Installed on ``MlxTpModelWorker`` by ``fix-backend-state``; called where
-    nothing is in flight (before a fresh launch, at idle)."""
-    launched = worker.__dict__.setdefault("_launched_reqs", {})
-    for rid, req in list(launched.items()):
-        if req.finished() or req_kv(req).req_pool_idx is None:
-            worker._mlx_runner.remove_request(rid)
-            worker._mlx_active_rids.discard(rid)
-            getattr(worker, "_req_retraction_count", {}).pop(rid, None)
-            del launched[rid]
+# ``MlxTpModelWorker.retire_released_requests``, added by ``fix-backend-state`` beside
+# ``prepare_for_kv_cache_release`` (``{retraction}``: the retraction-count line, on
+# releases whose worker keeps that count).
+_RETIRE = '''def retire_released_requests(self) -> None:
+    """Drop the MLX state of every launched request the scheduler has since
+    released (finished, aborted, or retracted: no req_to_token row).
+
+    Called where nothing is in flight: before a fresh launch (the overlap
+    loop launches fresh only once every in-flight job is finalized) and
+    from ``Scheduler.on_idle``.
+    """
+    for rid, req in list(self._launched_reqs.items()):
+        if req.finished() or getattr(req, "kv", req).req_pool_idx is None:
+            self._mlx_runner.remove_request(rid)
+            self._mlx_active_rids.discard(rid){retraction}
+            del self._launched_reqs[rid]
+
+'''
 
 
 def fix_backend_state() -> None:
@@ -228,32 +243,40 @@ def fix_backend_state() -> None:
     As shipped, ``MlxTpModelWorker._cleanup_stale_rids`` drops state only at a fresh
     *decode* launch (an extend launch only adds, a chained one never cleans), and a
     retracted request's state only when it is re-prefilled
-    (``_drop_state_if_retracted``); at idle nothing is dropped. The fix: before every
-    fresh launch (the MLX loop launches fresh only once every in-flight job is
-    finalized) and in ``Scheduler.on_idle``, :func:`retire_released_requests`.
+    (``_drop_state_if_retracted``); at idle nothing is dropped. The fix, as source edits
+    (``python -m contract_lib patch export fix-backend-state`` writes them as a diff):
+    the worker remembers every request it launched (``_launched_reqs``) and gains
+    ``retire_released_requests``, called before every fresh launch (the MLX loop
+    launches fresh only once every in-flight job is finalized) and from
+    ``Scheduler.on_idle``.
     """
     from sglang.srt.hardware_backend.mlx import tp_worker
     from sglang.srt.managers.scheduler import Scheduler
 
+    label = "fix-backend-state"
     worker = tp_worker.MlxTpModelWorker
-    launch = worker.async_forward_batch_generation_mlx
-    on_idle = Scheduler.on_idle
-
-    def async_forward_batch_generation_mlx(self, batch):
-        retire_released_requests(self)
-        self.__dict__.setdefault("_launched_reqs", {}).update(
-            {req.rid: req for req in batch.reqs})
-        return launch(self, batch)
-
-    def on_idle_retiring(self) -> None:
-        retire = getattr(self.tp_worker, "retire_released_requests", None)
-        if retire is not None:
-            retire()
-        return on_idle(self)
-
-    worker.async_forward_batch_generation_mlx = async_forward_batch_generation_mlx
-    worker.retire_released_requests = retire_released_requests
-    Scheduler.on_idle = on_idle_retiring
+    kind = "Req" if hasattr(tp_worker, "Req") else "object"  # 0.5.21 imports no Req
+    patch_source(worker, "_init_model_runner", [
+        ("self._mlx_pool_initialized = False\n",
+         "# rid -> Req of every launched request whose MLX state may still be held.\n"
+         f"self._launched_reqs: dict[str, {kind}] = {{}}\n"
+         "self._mlx_pool_initialized = False\n")], label)
+    counted = hasattr(worker, "_drop_state_if_retracted")  # 0.5.22+: retraction counts
+    retire = _RETIRE.format(retraction="\n            self._req_retraction_count.pop(rid, None)"
+                            if counted else "")
+    anchor = "def prepare_for_kv_cache_release(self, req) -> None:"
+    patch_source(worker, "prepare_for_kv_cache_release", [(anchor, retire + anchor)], label)
+    patch_source(worker, "async_forward_batch_generation_mlx", [
+        ("self._ensure_mlx_pool_initialized()\n",
+         "self.retire_released_requests()\n"
+         "self._launched_reqs.update({req.rid: req for req in batch.reqs})\n"
+         "self._ensure_mlx_pool_initialized()\n")], label)
+    patch_source(Scheduler, "on_idle", [
+        ('"""Idle housekeeping: guard, check, metrics, reset, sleep."""\n',
+         '"""Idle housekeeping: guard, check, metrics, reset, sleep."""\n'
+         'retire = getattr(self.tp_worker, "retire_released_requests", None)\n'
+         "if retire is not None:\n"
+         "    retire()\n")], label)
 
 
 BUILTIN_PATCHES: dict[str, Patch] = {
@@ -268,6 +291,9 @@ BUILTIN_PATCHES: dict[str, Patch] = {
               "#30093 (approach of #33874, #40046)"),
         Patch("fix-idle-predicate", "is_fully_idle's queue term tests either overlap loop",
               fix_idle_predicate, "#32934"),
+        Patch("fix-mixed-chunk-relay", "the MLX loop publishes each launch's sampled "
+              "tokens to the overlap relay (what a mixed-chunk batch reads)",
+              fix_mixed_chunk_relay, "#32591 (which rejected the flag instead)"),
         Patch("skip-relay-publish", "torch run_batch skips the FutureMap relay publish "
               "(a deliberate break)", skip_relay_publish, "none (demonstration)"),
         Patch("unclamped-sync", "<= 0.5.21's decode-KV pool sync on 0.5.22+: unclamped, "
@@ -307,15 +333,6 @@ class PatchSpec(str):
 
 
 PatchArg = str | Callable[[], None] | list | tuple | None
-
-
-
-
-def bug_catalog() -> list[dict]:
-    """The bugs of ``data/bugs.toml``: id, PRs, clause, field, symptom, flags, affected
-    releases and how contract_lib replays each."""
-    with BUG_CATALOG.open("rb") as handle:
-        return tomllib.load(handle)["bug"]
 
 
 def patch_spec(patch: PatchArg) -> PatchSpec | None:

@@ -2,15 +2,21 @@
 
 :func:`patch_source` takes the function's source, replaces exact snippets and recompiles
 it in its own module, so each patch reads like a diff against SGLang and fails loudly when
-the code it expects has moved (an unsupported release).
+the code it expects has moved (an unsupported release). A replacement may add a function
+beside the one it edits (a new method, as a diff adds one). The patched source stays
+readable (``inspect.getsource``), so a later patch can edit it again, and
+:mod:`contract_lib.campaigns.export` can write the same edits as an upstream diff.
 """
 
 from __future__ import annotations
 import __future__
 
+import ast
 import inspect
+import linecache
 import re
 import textwrap
+from typing import Callable
 
 
 class PatchError(ValueError):
@@ -23,8 +29,30 @@ def patch_source(owner: object, name: str, replacements: list[tuple[str, str]],
 
     Each ``(old, new)`` pair is a snippet of whole lines written without its indentation;
     ``old`` must occur exactly once. The new function is compiled with the original's
-    module globals, its decorators re-applied from the source.
+    module globals, its decorators re-applied from the source; a function the new source
+    adds beside it is installed on ``owner`` too (one ``owner`` already has is an error).
     """
+    function, source = function_source(owner, name, label)
+    source = edited(source, replacements, label, function.__qualname__)
+    added = added_names(source, owner, name, label)
+    module = inspect.getmodule(function)
+    flags = 0
+    if getattr(module, "annotations", None) is __future__.annotations:
+        flags |= __future__.annotations.compiler_flag
+    filename = f"<patch {label}: {function.__code__.co_filename} ({function.__qualname__})>"
+    code = compile(source, filename, "exec", flags=flags, dont_inherit=True)
+    # Readable by inspect (a later patch edits the patched text); never checked against disk.
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    # The module's own globals (not a copy), so later rebinding of a module name, e.g. a
+    # capture hook, is seen by the patched function exactly as by the original.
+    defined: dict[str, object] = {}
+    exec(code, module.__dict__, defined)  # noqa: S102 - a reviewed patch of SGLang code
+    for key in (name, *added):
+        setattr(owner, key, defined[key])
+
+
+def function_source(owner: object, name: str, label: str) -> tuple[Callable, str]:
+    """``owner.name`` unwrapped, and its source without its common indentation."""
     try:
         original = inspect.getattr_static(owner, name)
     except AttributeError:
@@ -35,25 +63,37 @@ def patch_source(owner: object, name: str, replacements: list[tuple[str, str]],
             f"{owner.__name__}.{name}, the code this patch changes") from None
     function = inspect.unwrap(original)
     try:
-        source = textwrap.dedent(inspect.getsource(function))
+        return function, textwrap.dedent(inspect.getsource(function))
     except OSError as exc:
-        raise PatchError(f"patch {label!r}: no source for {owner.__name__}.{name}: it was "
-                         "already patched in this run (each patch applies once)") from exc
+        raise PatchError(f"patch {label!r}: no source for {owner.__name__}.{name}") from exc
+
+
+def edited(source: str, replacements: list[tuple[str, str]], label: str, where: str) -> str:
+    """``source`` with each ``(old, new)`` replaced once (see :func:`patch_source`)."""
     for old, new in replacements:
-        source = _replace_once(source, old, new, label, function.__qualname__)
+        source = _replace_once(source, old, new, label, where)
     if "super()" in source:
-        raise PatchError(f"patch {label!r}: cannot recompile {name} (uses super())")
-    module = inspect.getmodule(function)
-    flags = 0
-    if getattr(module, "annotations", None) is __future__.annotations:
-        flags |= __future__.annotations.compiler_flag
-    code = compile(source, f"<patch {label}: {function.__code__.co_filename}>", "exec",
-                   flags=flags, dont_inherit=True)
-    # The module's own globals (not a copy), so later rebinding of a module name, e.g. a
-    # capture hook, is seen by the patched function exactly as by the original.
-    defined: dict[str, object] = {}
-    exec(code, module.__dict__, defined)  # noqa: S102 - a reviewed patch of SGLang code
-    setattr(owner, name, defined[name])
+        raise PatchError(f"patch {label!r}: cannot recompile {where} (uses super())")
+    return source
+
+
+def added_names(source: str, owner: object, name: str, label: str) -> list[str]:
+    """The functions ``source`` defines besides ``name``, none of which ``owner`` has."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as exc:
+        raise PatchError(f"patch {label!r}: {name} does not compile after the patch "
+                         f"({exc.msg}, line {exc.lineno})") from None
+    names = [node.name for node in tree.body
+             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    if name not in names:
+        raise PatchError(f"patch {label!r}: the patched source no longer defines {name}")
+    added = [n for n in names if n != name]
+    taken = [n for n in added if hasattr(owner, n)]
+    if taken:
+        raise PatchError(f"patch {label!r}: adds {', '.join(taken)}, which "
+                         f"{owner.__name__} already has")
+    return added
 
 
 def _replace_once(source: str, old: str, new: str, label: str, where: str) -> str:

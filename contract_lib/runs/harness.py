@@ -37,8 +37,8 @@ from contract_lib.patches.builtin import PatchArg, patch_spec
 from contract_lib.paths import MODEL_DIR
 from contract_lib.runs import cache as frame_cache, fingerprint
 from contract_lib.runs.pool import POOL, ServerUnavailable, child_env
-from contract_lib.sources.origin import Source, is_path, resolve as resolve_sglang
 from contract_lib.sources.omni_release import companion
+from contract_lib.sources.origin import Source, is_path, resolve as resolve_sglang
 from contract_lib.sources.versions import require_supported_sglang
 from contract_lib.wire import journal
 from contract_lib.wire.protocol import RunSetupError, collect, frames_of, interrupted_error

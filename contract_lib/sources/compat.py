@@ -56,7 +56,7 @@ def triton_standin(package: Path) -> Path:
 # The modules a Scheduler build imports on first use, in the order it imports them
 # (0.5.23, every loop): ~80 ms of a ~120 ms build, most of it ``dllm.algorithm``, whose
 # import wraps a function in ``torch.compile`` and builds dynamo's trace rules. The warm
-# server imports them once (:func:`contract_lib.child.server.preload`), so forked runs do not;
+# server imports them once (:func:`contract_lib.child.preload.preload`), so forked runs do not;
 # a release without one skips it. None reads the environment at import time, and the
 # committed fixtures equal fresh runs with them preloaded (``tests/test_tiers.py``).
 BUILD_IMPORTS = (

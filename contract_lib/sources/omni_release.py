@@ -14,7 +14,7 @@ sglang-omni is installed on first use into ``.cache/omni/<version>`` (or
 with the one module its scheduler path imports that the venv lacks (``msgpack``); its
 declared set is the CUDA serving stack (flashinfer, flash-attn, nixl, onnxruntime-gpu...)
 and none of it is imported on that path. The child puts the folder on ``sys.path``
-before the build (:mod:`contract_lib.child.omni`); the venv is never modified.
+before the build (:mod:`contract_lib.child.omni_build`); the venv is never modified.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ def text_table(table: pd.DataFrame) -> str:
 def bug_card(clause: int) -> str:
     """The July bugs of one clause from ``data/bugs.toml``: PRs, symptom, the flags that
     expose it, affected releases and how contract_lib replays it."""
-    from contract_lib.patches.builtin import bug_catalog
+    from contract_lib.patches.catalog import bug_catalog
 
     cards = []
     for bug in bug_catalog():

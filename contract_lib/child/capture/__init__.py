@@ -28,7 +28,7 @@ records, and calls the original:
 - The KV allocator's ``evict_to_free_tokens`` and the radix tree's ``evict_for_alloc`` /
   ``evict`` (instance): what each eviction needed, asked and took (table ``evictions``).
 
-On sglang-omni's ``OmniScheduler`` (loop ``omni``, :mod:`contract_lib.child.omni`) the step
+On sglang-omni's ``OmniScheduler`` (loop ``omni``, :mod:`contract_lib.child.omni_build`) the step
 boundary is ``recv_requests`` (the first call of its loop iteration after the admin
 queue), scripted requests go into its ``inbox``, the registry wraps its
 ``request_builder`` (it appends to ``waiting_queue`` itself, not through

@@ -1,4 +1,4 @@
-"""sglang-omni's ``OmniScheduler`` (loop ``omni``; built by :mod:`contract_lib.child.omni`): its
+"""sglang-omni's ``OmniScheduler`` (loop ``omni``; built by :mod:`contract_lib.child.omni_build`): its
 platform gates, its model boundary and its ingress."""
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def omni_request_builder(payload, eos_token_ids=None):
     multimodal inputs); this is the plain-LM one, written as sglang-omni's own builders
     write theirs (``models/nemotron_voicechat/request_builders.ar_request``), with the
     sampling parameters the torch loops' scripted requests carry and the model's EOS
-    ids (``eos_token_ids``, bound by :func:`contract_lib.child.omni.build_scheduler`), which
+    ids (``eos_token_ids``, bound by :func:`contract_lib.child.omni_build.build_scheduler`), which
     SGLang's scheduler gives every request it builds.
     """
     import torch

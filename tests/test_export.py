@@ -1,0 +1,160 @@
+"""``patch export``: a source patch written as an upstream diff, applied with ``git apply``
+to a clean upstream-layout tree, and judged by ``compare`` exactly as the patch, on every
+release that patch supports; a patch that is not only source edits is refused."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from contract_lib.campaigns.compare import compare, first_difference
+from contract_lib.campaigns.export import (
+    Edit,
+    ExportError,
+    Recorder,
+    _diff,
+    _reindented,
+    export_patch,
+)
+from contract_lib.patches.builtin import BUILTIN_PATCHES
+from contract_lib.sources.versions import sglang_path
+
+ROOT = Path(__file__).resolve().parent.parent
+LOOPS = ["normal", "overlap", "mlx"]
+# Measured: what each built-in does on each supported release (None: exports).
+REFUSED = {
+    ("unclamped-sync", "0.5.21"): "this SGLang already has flush_all_decode_kv",
+    ("unclamped-sync", "0.5.22"): "is not only a source patch (patch_source edits): it "
+                                  "also adds sglang.srt.hardware_backend.mlx.model_runner."
+                                  "MlxModelRunner.flush_all_decode_kv",
+    ("unclamped-sync", "0.5.23"): "is not only a source patch (patch_source edits): it "
+                                  "also adds sglang.srt.hardware_backend.mlx.model_runner."
+                                  "MlxModelRunner.flush_all_decode_kv",
+}
+
+
+@pytest.fixture()
+def module(tmp_path, monkeypatch):
+    """A tiny module on disk inside a method of a class, fresh for every test."""
+    (tmp_path / "fake_loop.py").write_text(
+        "class Loop:\n"
+        "    def step(self):\n"
+        "        x = 1\n"
+        "\n"
+        "        if x:\n"
+        "            x += 1\n"
+        "        return x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "fake_loop", raising=False)
+    return importlib.import_module("fake_loop")
+
+
+@pytest.mark.fast
+def test_an_edit_keeps_unchanged_lines_and_indents_new_ones():
+    original = "    def f(self):\n        a = 1\n        \n        return a\n"
+    edited = "def f(self):\n    a = 1\n\n    b = 2\n\n    return a + b\n"
+    assert "".join(_reindented(original, edited)) == (
+        "    def f(self):\n        a = 1\n        \n        b = 2\n\n"
+        "        return a + b\n")
+
+
+@pytest.mark.fast
+def test_recorded_edits_install_nothing_and_git_applies_their_diff(module, tmp_path):
+    recorder = Recorder(tmp_path)
+    recorder(module.Loop, "step", [("x += 1\n", "x += 10\ny = x\n")], "t")
+    recorder(module.Loop, "step", [("return x\n", "return y\n")], "t")  # composes
+    assert module.Loop().step() == 2  # nothing installed
+    diff = _diff(tmp_path, list(recorder.edits.values()), "test")
+    assert diff.startswith("diff --git a/python/fake_loop.py b/python/fake_loop.py\n")
+    assert diff.endswith("-            x += 1\n-        return x\n+            x += 10\n"
+                         "+            y = x\n+        return y\n")
+    tree = tmp_path / "tree" / "python"
+    tree.mkdir(parents=True)
+    shutil.copy(tmp_path / "fake_loop.py", tree)
+    (tmp_path / "fix.diff").write_text(diff)
+    subprocess.run(["git", "apply", str(tmp_path / "fix.diff")], cwd=tree.parent, check=True)
+    assert "        return y\n" in (tree / "fake_loop.py").read_text()
+
+
+@pytest.mark.fast
+def test_an_edit_of_code_that_moved_on_disk_is_refused(tmp_path):
+    (tmp_path / "m.py").write_text("def f():\n    return 2\n")
+    with pytest.raises(ExportError, match="m.py on disk differs from the code test imported"):
+        _diff(tmp_path, [Edit("m.py", 1, "def f():\n    return 1\n", "def f():\n    return 3\n")],
+              "test")
+
+
+def _release_folder(version: str) -> Path:
+    return sglang_path(version) or Path(importlib.util.find_spec("sglang").origin).parent.parent
+
+
+def _applies_to_a_clean_tree(diff: Path, version: str, tmp_path: Path) -> None:
+    """``git apply`` in a fresh upstream-layout tree holding the diff's files as the
+    release ships them."""
+    tree = tmp_path / "upstream"
+    files = [line.split(" b/", 1)[1] for line in diff.read_text().splitlines()
+             if line.startswith("diff --git ")]
+    for file in files:
+        target = tree / file
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(_release_folder(version) / file.removeprefix("python/"), target)
+    subprocess.run(["git", "init", "-q"], cwd=tree, check=True)
+    subprocess.run(["git", "apply", "--check", str(diff)], cwd=tree, check=True)
+    subprocess.run(["git", "apply", str(diff)], cwd=tree, check=True)
+    assert subprocess.run(["git", "status", "--porcelain"], cwd=tree, capture_output=True,
+                          text=True).stdout.count("??") == 1  # the untracked python/
+
+
+def _exports_and_judges_as_the_patch(name: str, version: str, tmp_path: Path) -> None:
+    if (name, version) in REFUSED:
+        with pytest.raises(ExportError, match=re.escape(REFUSED[name, version])):
+            export_patch(name, version)
+        return
+    diff = tmp_path / f"{name}.diff"
+    diff.write_text(export_patch(name, version))
+    _applies_to_a_clean_tree(diff, version, tmp_path)
+    base = f"release={version}"
+    by_diff = compare(base, f"{base},diff={diff}", ["two-turn"], LOOPS, progress=False)
+    by_patch = compare(base, f"{base},patch={name}", ["two-turn"], LOOPS, progress=False)
+    assert by_diff.clause_table().equals(by_patch.clause_table())
+    assert by_diff.outcome() == by_patch.outcome()
+    for key, (_, head) in by_diff.runs.items():
+        assert first_difference(head, by_patch.runs[key][1]) == "none", key
+
+
+@pytest.mark.parametrize("name", list(BUILTIN_PATCHES))
+def test_every_builtin_patch_exports_and_its_diff_judges_as_the_patch(name, tmp_path):
+    _exports_and_judges_as_the_patch(name, "0.5.23", tmp_path)
+
+
+@pytest.mark.releases
+@pytest.mark.parametrize("version", ["0.5.21", "0.5.22"])
+@pytest.mark.parametrize("name", list(BUILTIN_PATCHES))
+def test_on_older_releases_too(name, version, tmp_path):
+    _exports_and_judges_as_the_patch(name, version, tmp_path)
+
+
+def test_a_user_source_patch_exports_and_a_wrapper_is_refused_in_one_line():
+    """``module:callable`` patches: patch_source edits export (the function patched in
+    place); one that replaces a module function, or wraps a method, says what it does
+    besides, and the command exits 2 with that line."""
+    diff = export_patch("user_patches:frozen_launch_ts")
+    assert "+        batch.launch_ts = self.__dict__.setdefault(" in diff
+    for name, what in (("leak_on_finish", "replaces sglang.srt.managers.scheduler_components."
+                        "batch_result_processor.release_kv_cache (user_patches."
+                        "leak_on_finish.<locals>.<lambda>)"),
+                       ("relay_overwritten_after_stash", "replaces sglang.srt.managers."
+                        "overlap_utils.FutureMap.stash (user_patches."
+                        "relay_overwritten_after_stash.<locals>.stash)")):
+        done = subprocess.run([sys.executable, "-m", "contract_lib", "patch", "export",
+                               f"user_patches:{name}"], capture_output=True, text=True,
+                              cwd=ROOT / "tests")
+        assert done.returncode == 2 and done.stdout == ""
+        assert done.stderr == (f"error: patch 'user_patches:{name}' is not only a source "
+                               f"patch (patch_source edits): it also {what}\n")
