@@ -30,6 +30,10 @@ OnLaunch = Callable[[Any, list[int]], None]
 class SGLangFamily:
     """SGLang's ``Scheduler`` (module docstring)."""
 
+    # SGLang's ``stream_output`` marks a request whose final output it sent
+    # (``Req.finished_output``).
+    marks_sent = True
+
     def __init__(self, loop: loops.LoopSpec) -> None:
         self.loop = loop
 
@@ -222,6 +226,9 @@ class DisaggregationFamily(SGLangFamily):
 
 class OmniFamily(SGLangFamily):
     """sglang-omni's ``OmniScheduler`` (module docstring; :mod:`contract_lib.child.omni_build`)."""
+
+    # Its own ``stream_output`` sends a finished request to its outbox without marking it.
+    marks_sent = False
 
     def refuse(self, workload: Workload) -> None:
         """Aborts and priorities go through SGLang's ingress (``AbortReq``, the request's

@@ -63,9 +63,9 @@ class StepSnapshot:
     def _end_sent(self, rid: str, req) -> bool | None:
         """Whether the request's end reached the client: ``stream_output`` sent its
         final output (``finished_output``), or an ``AbortReq`` output went for it. None
-        (not recorded) where the release has no ``finished_output``, and on sglang-omni,
-        whose own ``stream_output`` sends a finished request to its outbox without it."""
-        if self.omni or not hasattr(req, "finished_output"):
+        (not recorded) where the release has no ``finished_output``, or the family streams
+        outputs its own way (:attr:`~contract_lib.child.families.SGLangFamily.marks_sent`)."""
+        if not self.family.marks_sent or not hasattr(req, "finished_output"):
             return None
         return bool(req.finished_output) or rid in self.abort_outputs  # None until sent
 
