@@ -248,7 +248,8 @@ def _build(spec: dict[str, Any], loop_spec: loops.LoopSpec, emit,
         timing["build_s"] = time.perf_counter() - built
         scheduler.request_receiver = shims.ScriptedReceiver()
         applied.append("scripted-ingress")
-    check_page_size(scheduler, loop_spec.name, triton="triton-standin" not in applied)
+    check_page_size(scheduler, loop_spec.name,
+                    triton=not any(name.startswith("triton-standin") for name in applied))
     emit(("meta", {"shims": applied, "expect": workload.expected_outcomes(),
                    "enable_overlap": bool(scheduler.enable_overlap),
                    "enable_overlap_mlx": bool(scheduler.enable_overlap_mlx),
