@@ -13,6 +13,7 @@ import pandas as pd
 from contract_lib.contract import (CLAUSES, EXTENDED_FIELDS, HOLDS, MASKED, NOT_EXERCISED,
                                    NOT_PRESENT, POOL_ROW, VIOLATED, Report, check, origin)
 from contract_lib import loops as registry
+from contract_lib.frames import Frames
 from contract_lib.runs.harness import frames_or_raise, run_many
 from contract_lib.patches.builtin import PatchArg, patch_spec
 from contract_lib.verdict import Outcome, loop_mismatch, setup_failed, unsupported, worst
@@ -127,12 +128,9 @@ class Status:
             if extended and number in EXTENDED_FIELDS:
                 row["clause"] += f" (+ {', '.join(EXTENDED_FIELDS[number])})"
             for loop in columns:
-                cell = per_run[(per_run["clause"] == number) & (per_run["loop"] == loop)]
-                worst = min(cell["status"], key=_SEVERITY.index)
-                count = int((cell["status"] == worst).sum())
-                if worst == VIOLATED and cell.loc[cell["status"] == worst, "finding"].notna().all():
-                    worst = KNOWN_UPSTREAM
-                row[loop] = f"{worst} ({count}/{len(cell)})"
+                worst, count, total = worst_cell(
+                    per_run[(per_run["clause"] == number) & (per_run["loop"] == loop)])
+                row[loop] = f"{worst} ({count}/{total})"
             rows.append(row)
         if self.shows_pool_row():
             row = {"clause": f"- {POOL_ROW}"}
@@ -226,6 +224,17 @@ class Status:
         for workload, loop, status in self.runs_not_finished():
             lines.append(f"run {workload} on {loop}: {status}")
         return "\n".join(line.rstrip() for line in lines)
+
+
+def worst_cell(cell: pd.DataFrame) -> tuple[str, int, int]:
+    """A (clause, loop) cell of :meth:`Status.per_run` rows: its worst status (``known
+    upstream`` when every violating run is a catalogued bug), in how many runs it shows,
+    of how many."""
+    worst = min(cell["status"], key=_SEVERITY.index)
+    count = int((cell["status"] == worst).sum())
+    if worst == VIOLATED and cell.loc[cell["status"] == worst, "finding"].notna().all():
+        worst = KNOWN_UPSTREAM
+    return worst, count, len(cell)
 
 
 def _section(label: str, previous: str | None) -> list[str]:
@@ -350,13 +359,20 @@ def releases_status(versions: list[str | None], workloads: list[str] | None = No
                            if registry.spec(loop).sglang else {"sglang": sources[v][0]})}
                        for v, w, loop in keys], progress=progress)
     frames = frames_or_raise(frames)  # e.g. a bad server arg: the table needs every run
+    return checked_releases(
+        {version: {(w, loop): f for (v, w, loop), f in zip(keys, frames) if v == version}
+         for version in sources}, runner, clauses, strict_known)
+
+
+def checked_releases(runs: dict[str, dict[tuple[str, str], Frames]],
+                     runner: str = "model-free", clauses: str = "all",
+                     strict_known: bool = False) -> ReleasesStatus:
+    """The tables of runs already made (per release label, (workload, loop) -> frames,
+    e.g. saved ones): each checked, with the MLX KV pool row."""
     from contract_lib.child.kvpool import kv_rows
 
-    runs = [{(w, loop): f for (v, w, loop), f in zip(keys, frames) if v == version}
-            for version in sources]
-    damage = kv_rows(runs, real=runner == "real")
+    damage = kv_rows(list(runs.values()), real=runner == "real")
     return ReleasesStatus([
         Status({key: check(f, clauses, strict_known) for key, f in version_runs.items()},
-               sglang=version,
-               runner=runner, kv_damaged=version_damage)
-        for version, version_runs, version_damage in zip(sources, runs, damage)])
+               sglang=version, runner=runner, kv_damaged=version_damage)
+        for (version, version_runs), version_damage in zip(runs.items(), damage)])
