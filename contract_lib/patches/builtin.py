@@ -304,7 +304,7 @@ PatchArg = str | Callable[[], None] | list | tuple | None
 
 def bug_catalog() -> list[dict]:
     """The bugs of ``data/bugs.toml``: id, PRs, clause, field, symptom, flags, affected
-    releases and how contract_lib replays each."""
+    releases (as read), the releases measured, and how contract_lib replays each."""
     with BUG_CATALOG.open("rb") as handle:
         return tomllib.load(handle)["bug"]
 
