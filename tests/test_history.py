@@ -231,13 +231,33 @@ def test_the_history_cells_are_the_side_by_side_table(past):
     for status in past.statuses:
         table = status.table()
         for clause_label, row in table.iterrows():
-            number = int(clause_label.split(" ", 1)[0]) if clause_label[0].isdigit() \
-                else history.KV_POOL
+            number = (int(clause_label.split(" ", 1)[0]) if clause_label[0].isdigit()
+                      else history.POOL if "conservation" in clause_label
+                      else history.KV_POOL)
             for loop, text in row.items():
                 if text == "-":  # no MLX KV pool on a torch loop
                     continue
                 cell = cells.loc[(loop, number, status.sglang)]
                 assert text == f"{cell.status} ({cell['count']}/{cell.total})"
+
+
+@fast
+def test_a_leak_on_one_release_shows_in_every_view(past):
+    """SGLang's pool conservation law broken at a step of one release's run: the
+    history's cells, text and figure show a ``pool conservation`` row, red there."""
+    from contract_lib.campaigns.status import checked_releases
+
+    runs = {s.sglang: {key: saved_run(s.sglang, *key) for key in s.reports}
+            for s in past.statuses[-2:]}
+    leaky = runs["0.5.23"][("two-turn", "normal")]
+    leaky.steps.loc[3, "pool_leak"] = True
+    result = checked_releases(runs)
+    cells = history.history_cells(result).set_index(["loop", "clause", "sglang"])
+    assert cells.loc[("normal", history.POOL, "0.5.23"), "status"] == "leak"
+    assert cells.loc[("normal", history.POOL, "0.5.22"), "status"] == "balanced"
+    assert "(KV pool conservation: leak =" in history.history_text(result)
+    fig = views.clause_history(result, loops=["normal"])
+    assert "leak" in [t.get_text() for t in fig.axes[0].texts]
 
 
 @fast

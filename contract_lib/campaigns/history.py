@@ -10,8 +10,8 @@ import textwrap
 import pandas as pd
 
 from contract_lib import loops as registry
-from contract_lib.campaigns.status import (KNOWN_UPSTREAM, KV_POOL_NOTE, ReleasesStatus,
-                                           Status, worst_cell)
+from contract_lib.campaigns.status import (KNOWN_UPSTREAM, KV_POOL_NOTE, POOL_NOTE,
+                                           ReleasesStatus, Status, worst_cell)
 from contract_lib.contract import CLAUSES, MASKED, VIOLATED
 from contract_lib.sources.versions import release_spans
 
@@ -19,7 +19,7 @@ from contract_lib.sources.versions import release_spans
 # (:meth:`ReleasesStatus.text`), each release is a column ~24 characters wide.
 SIDE_BY_SIDE_MAX = 3
 WIDTH = 100  # notes and field lists wrap here
-KV_POOL = "KV pool"
+KV_POOL, POOL = "KV pool", "pool conservation"
 CELL_COLUMNS = ["loop", "clause", "sglang", "status", "count", "total", "fields"]
 
 
@@ -43,9 +43,11 @@ def _fields(status: Status, loop: str, number: int) -> str:
 
 def history_cells(result: ReleasesStatus) -> pd.DataFrame:
     """One row per (loop, clause, release): the worst status over the workloads, in how
-    many runs it shows and of how many, and the fields violated; clause ``KV pool``
-    (the MLX KV pool: ``damaged`` / ``intact``) where a release has that row."""
+    many runs it shows and of how many, and the fields violated; and as clauses
+    ``pool conservation`` (SGLang's law: ``leak`` / ``balanced``, where a run of any
+    release leaked) and ``KV pool`` (the MLX KV pool: ``damaged`` / ``intact``)."""
     rows = []
+    pooled = any(status.shows_pool_row() for status in result.statuses)
     for status in result.statuses:
         version = release_label(status)
         per_run = status.per_run()
@@ -54,12 +56,12 @@ def history_cells(result: ReleasesStatus) -> pd.DataFrame:
             rows.append({"loop": loop, "clause": number, "sglang": version, "status": worst,
                          "count": count, "total": total,
                          "fields": _fields(status, loop, number)})
-        for loop in dict.fromkeys(l for _, l in status.kv_damaged):
-            cell = [bad for (_, l), bad in status.kv_damaged.items() if l == loop]
-            rows.append({"loop": loop, "clause": KV_POOL, "sglang": version,
-                         "status": "damaged" if any(cell) else "intact",
-                         "count": sum(cell) if any(cell) else len(cell),
-                         "total": len(cell), "fields": ""})
+        for loop in dict.fromkeys(per_run["loop"]):
+            extra = {POOL: status.pool_cell(loop) if pooled else None,
+                     KV_POOL: status.kv_cell(loop)}
+            rows += [{"loop": loop, "clause": name, "sglang": version, "status": cell[0],
+                      "count": cell[1], "total": cell[2], "fields": ""}
+                     for name, cell in extra.items() if cell is not None]
     cells = pd.DataFrame(rows, columns=CELL_COLUMNS)
     order = {name: i for i, name in enumerate(registry.names())}
     return cells.sort_values("loop", key=lambda s: s.map(order), kind="stable") \
@@ -134,6 +136,8 @@ def history_text(result: ReleasesStatus) -> str:
     if (cells["status"] == KNOWN_UPSTREAM).any():
         notes.append(f"({KNOWN_UPSTREAM} = violated exactly as a catalogued upstream bug "
                      "predicts, see data/bugs.toml; not a failure unless --strict-known)")
+    if (cells["clause"] == POOL).any():
+        notes.append(POOL_NOTE)
     if (cells["clause"] == KV_POOL).any():
         notes.append(KV_POOL_NOTE)
     lines += ["", *_wrapped(notes + _notes(result))]

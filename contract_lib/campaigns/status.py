@@ -23,6 +23,8 @@ from contract_lib.workloads import workload_names
 # live request's slots, or leave a radix-matched slot zero or wrong (contract_lib.child.kvpool)?
 KV_POOL_ROW = "- KV pool (real MlxModelRunner)"
 MODEL_FREE_KV_POOL_ROW = "- KV pool (model-free runner's contents)"
+POOL_NOTE = ("(KV pool conservation: leak = available + evictable + protected + "
+             "uncached != total at a step boundary, SGLang's own law)")
 KV_POOL_NOTE = ("(KV pool: damaged = KV written through slot 0 or into another live "
                 "request's slots, or a radix-matched slot left zero or wrong)")
 
@@ -133,22 +135,31 @@ class Status:
                 row[loop] = f"{worst} ({count}/{total})"
             rows.append(row)
         if self.shows_pool_row():
-            row = {"clause": f"- {POOL_ROW}"}
-            for loop in columns:
-                seen = [not r.pool.empty for (_, l), r in self.reports.items()
-                        if l == loop and r.meta.get("steps")]
-                row[loop] = (f"leak ({sum(seen)}/{len(seen)})" if any(seen)
-                             else f"balanced ({len(seen)}/{len(seen)})")
-            rows.append(row)
+            rows.append({"clause": f"- {POOL_ROW}", **{
+                loop: "{} ({}/{})".format(*self.pool_cell(loop)) for loop in columns}})
         if self.kv_damaged:
-            row = {"clause": KV_POOL_ROW if self.runner == "real" else MODEL_FREE_KV_POOL_ROW}
-            for loop in columns:
-                cell = [bad for (_, l), bad in self.kv_damaged.items() if l == loop]
-                worst = "damaged" if any(cell) else "intact"
-                row[loop] = (f"{worst} ({sum(cell) if any(cell) else len(cell)}/{len(cell)})"
-                             if cell else "-")  # no MLX KV pool on this loop
-            rows.append(row)
+            rows.append({"clause": KV_POOL_ROW if self.runner == "real"
+                         else MODEL_FREE_KV_POOL_ROW, **{
+                             loop: "{} ({}/{})".format(*cell) if (cell := self.kv_cell(loop))
+                             else "-" for loop in columns}})  # "-": no MLX KV pool
         return pd.DataFrame(rows, columns=["clause", *columns]).set_index("clause")
+
+    def pool_cell(self, loop: str) -> tuple[str, int, int]:
+        """SGLang's pool conservation law over ``loop``'s runs that recorded a step:
+        ``leak`` (in how many) or ``balanced``, of how many."""
+        seen = [not r.pool.empty for (_, l), r in self.reports.items()
+                if l == loop and r.meta.get("steps")]
+        return ("leak", sum(seen), len(seen)) if any(seen) else \
+            ("balanced", len(seen), len(seen))
+
+    def kv_cell(self, loop: str) -> tuple[str, int, int] | None:
+        """The MLX KV pool over ``loop``'s runs with a verdict: ``damaged`` (in how many)
+        or ``intact``, of how many; None when the loop has no MLX KV pool."""
+        cell = [bad for (_, l), bad in self.kv_damaged.items() if l == loop]
+        if not cell:
+            return None
+        return ("damaged", sum(cell), len(cell)) if any(cell) else \
+            ("intact", len(cell), len(cell))
 
     def runs_not_finished(self) -> list[tuple[str, str, str]]:
         """(workload, loop, what happened) of every run that did not earn its clause
@@ -217,8 +228,7 @@ class Status:
         lines += _findings_note(table)
         lines += self.absent_note()
         if self.shows_pool_row():
-            lines.append("(KV pool conservation: leak = available + evictable + protected + "
-                         "uncached != total at a step boundary, SGLang's own law)")
+            lines.append(POOL_NOTE)
         if self.kv_damaged:
             lines.append(KV_POOL_NOTE)
         for workload, loop, status in self.runs_not_finished():

@@ -10,7 +10,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from contract_lib.campaigns.history import KV_POOL, history_cells, release_label
+from contract_lib.campaigns.history import KV_POOL, POOL, history_cells, release_label
 from contract_lib.campaigns.status import KNOWN_UPSTREAM, ReleasesStatus
 from contract_lib.contract import CLAUSES, HOLDS, MASKED, NOT_EXERCISED, NOT_PRESENT, VIOLATED
 from contract_lib.views.style import GREEN, GREY, LIGHT_GREY, SALMON, VERMILLION, legend, titles
@@ -20,18 +20,21 @@ from contract_lib.views.style import GREEN, GREY, LIGHT_GREY, SALMON, VERMILLION
 _LOOK = {
     VIOLATED: (VERMILLION, "white", "violated"),
     "damaged": (VERMILLION, "white", "damaged"),
+    "leak": (VERMILLION, "white", "leak"),
     MASKED: (SALMON, "black", "masked"),
     KNOWN_UPSTREAM: (SALMON, "black", "known\nupstream"),
     HOLDS: (GREEN, "white", "holds"),
     "intact": (GREEN, "white", "intact"),
+    "balanced": (GREEN, "white", "balanced"),
     NOT_PRESENT: (LIGHT_GREY, "black", "not\npresent"),
     NOT_EXERCISED: (LIGHT_GREY, "black", "not\nexercised"),
 }
-_LEGEND = [(VERMILLION, "violated (KV pool: damaged)"),
+_LEGEND = [(VERMILLION, "violated (KV pool: damaged; pool conservation: leak)"),
            (SALMON, "violated-masked, or known upstream (a catalogued bug)"),
-           (GREEN, "holds (KV pool: intact)"),
+           (GREEN, "holds (KV pool: intact; pool conservation: balanced)"),
            (LIGHT_GREY, "not present in the release, or not exercised"),
            (GREY, "the run earned no status (crashed, set-up error, ...)")]
+_ROWS = {KV_POOL: "MLX KV pool", POOL: "KV pool\nconservation"}
 ROW_HEIGHT, WIDTH = 0.42, 10.0
 
 
@@ -67,8 +70,7 @@ def _panel(ax, cells: pd.DataFrame, releases: list[str], title: str) -> None:
     ax.set_xticks(range(len(releases)), releases, fontsize=8.5)
     ax.xaxis.tick_top()
     ax.set_yticks(range(len(clauses)), [
-        "MLX KV pool" if c == KV_POOL else textwrap.fill(f"{c} {CLAUSES[c]}", 22)
-        for c in clauses], fontsize=8)
+        _ROWS.get(c) or textwrap.fill(f"{c} {CLAUSES[c]}", 22) for c in clauses], fontsize=8)
     ax.tick_params(length=0)
     for side in ax.spines.values():
         side.set_visible(False)
@@ -99,7 +101,7 @@ def clause_history(result: ReleasesStatus, loops: Sequence[str] | None = None) -
     shown = cells[cells["loop"].isin(loops)]
     fills = {_look(status)[0] for status in shown["status"]}
     legend(fig, [Patch(facecolor=c, label=l) for c, l in _LEGEND if c in fills], ncols=2)
-    red = shown["status"].isin([VIOLATED, "damaged"]).sum()
+    red = shown["status"].map(lambda status: _look(status)[0] == VERMILLION).sum()
     titles(fig, f"The contract across SGLang {releases[0]} to {releases[-1]}",
            f"{red} of {len(shown)} cells red; each cell is the worst status over the "
            "release's runs of that loop (n/m: in how many it shows).")
