@@ -6,6 +6,7 @@ release does not have."""
 from __future__ import annotations
 
 import textwrap
+from typing import Callable, Iterable
 
 import pandas as pd
 
@@ -97,7 +98,8 @@ def _block(cells: pd.DataFrame, loop: str) -> list[str]:
     return lines
 
 
-def _by_release(result: ReleasesStatus, items) -> dict[tuple, list[str]]:
+def _by_release(result: ReleasesStatus,
+                items: Callable[[Status], Iterable[tuple]]) -> dict[tuple, list[str]]:
     """``items(status)``'s tuples over the releases, each with the releases it shows on
     (its text's ``sglang <release>`` read as ``the release``, so one line covers many)."""
     grouped: dict[tuple, list[str]] = {}

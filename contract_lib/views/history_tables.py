@@ -84,7 +84,7 @@ def _last_parts(fields: str) -> set[str]:
     return {field.rsplit(".", 1)[-1] for field in fields.split(", ") if field}
 
 
-def _spans(cells: pd.DataFrame, mask) -> str:
+def _spans(cells: pd.DataFrame, mask: pd.Series) -> str:
     return release_spans(list(dict.fromkeys(cells.loc[mask, "sglang"]))) or "none"
 
 
