@@ -92,7 +92,10 @@
 import contract_lib
 from contract_lib import views
 from contract_lib.contract import check
+from contract_lib.campaigns.history import history_cells
+from contract_lib.campaigns.saved_history import saved_status
 from contract_lib.campaigns.status import status
+from contract_lib.sources.versions import release_spans
 
 views.setup()
 
@@ -209,7 +212,38 @@ on_mlx = cells[(cells["loop"] == "mlx") & (cells["clause"] <= 5)].pivot(
 # open on mixed-chunk: nothing publishes the relay on MLX.
 assert not on_mlx[[1, 2, 3, 5]].isin(["violated", "violated-masked"]).any().any()
 assert on_mlx.index[on_mlx[4] == "violated"].tolist() == ["mixed-chunk"]
+
+# %% [markdown]
+# ## The contract across releases
 #
+# Every release this project supports, unpatched, read from saved runs of each
+# (`data/history`, re-made by `scripts/make-history-fixtures`; `status --sglang
+# 0.5.14..0.5.23` measures every shipped workload live). The MLX loop:
+
+# %%
+past = saved_status()
+views.clause_history(past, loops=["mlx"])
+
+# %%
+cells = history_cells(past)
+red = cells["status"].isin(["violated", "violated-masked"])
+torch_red = cells[cells["loop"].isin(["normal", "overlap"]) & red
+                  & cells["clause"].isin(range(1, 6))]
+releases = list(dict.fromkeys(cells["sglang"]))
+assert torch_red.empty, torch_red
+mlx_cells = cells[(cells["loop"] == "mlx") & cells["clause"].isin(range(1, 8))]
+always = [c for c, g in mlx_cells.groupby("clause") if g["status"].isin(
+    ["violated", "violated-masked"]).all()]
+moved = {c: release_spans(g.loc[g["status"] == "holds", "sglang"].tolist())
+         for c, g in mlx_cells.groupby("clause") if (g["status"] == "holds").any()}
+views.md(
+    f"Over {releases[0]} to {releases[-1]}: the torch loops hold RFC clauses 1-5 on "
+    f"every release (not shown; [12](12-history.ipynb) draws them). On MLX, clauses "
+    f"{', '.join(map(str, always))} are red on every release; "
+    + "; ".join(f"clause {c} holds only on {where}" for c, where in moved.items())
+    + ". [12](12-history.ipynb) walks the releases bug by bug.")
+
+# %% [markdown]
 # ## Reading order
 #
 # One notebook per clause. Each one states the clause, names the SGLang code that reads
@@ -227,6 +261,7 @@ assert on_mlx.index[on_mlx[4] == "violated"].tolist() == ["mixed-chunk"]
 # 9. [09 — omni](09-omni.ipynb): the same contract on a loop from outside SGLang, sglang-omni's `OmniScheduler`.
 # 10. [10 — search](10-search.ipynb): searching for workloads that break a clause, rather than writing them by hand.
 # 11. [11 — disaggregation](11-disaggregation.ipynb): one request across a PD prefill side and a decode side, what the fake transfer shares between them, and two bugs of the disaggregation paths' history replayed (#12839's kind found by clause 2's `finished_output`; #30175, which nothing here can show).
+# 12. [12 — history](12-history.ipynb): every release from 0.5.14 to 0.5.23, unpatched, bug by bug: each July bug on the release that shipped it and the one that fixed it.
 #
 # Read 01 and 02 together, since they share a root cause: chained decode skips
 # `prepare_for_decode`. 03 is the fixed clause and shows what a regression looks like.

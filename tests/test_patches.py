@@ -62,7 +62,7 @@ def test_bug_catalog_replays_name_real_patches_and_workloads():
     assert {1, 2, 3, 4, 5} <= {b["clause"] for b in bugs} <= set(CLAUSES)  # every RFC clause
     for bug in bugs:
         assert {"id", "prs", "clause", "field", "symptom", "flags", "affected",
-                "replay"} <= set(bug)
+                "measured", "replay"} <= set(bug)
         for name in re.findall(r"patch ([\w-]+)", bug["replay"]):
             assert name in BUILTIN_PATCHES, bug["id"]
         for name in re.findall(r"workload ([\w-]+)", bug["replay"]):

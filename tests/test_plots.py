@@ -329,3 +329,20 @@ def test_memory_pressure_and_extension_views(saved):
     assert_readable(fig, 3)
     bad = len(check(runs[1]).clauses[7].violations)
     assert f"{bad} violations" in fig.axes[1].get_title() and bad > 0
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("clause", range(1, 8))
+def test_bug_cards_print_what_was_read_and_what_was_measured(clause):
+    """Every catalogued bug of the clause, with its ``affected`` (read) and ``measured``
+    fields from data/bugs.toml, each wrapped at 92 columns."""
+    import textwrap
+
+    from contract_lib.patches.catalog import bug_catalog
+
+    card = views.bug_card(clause)
+    flat = " ".join(card.split())
+    for bug in (b for b in bug_catalog() if b["clause"] == clause):
+        assert " ".join(textwrap.wrap(f"affected (read): {bug['affected']}", 92)) in flat
+        assert " ".join(textwrap.wrap(f"measured: {bug['measured']}", 92)) in flat
+    assert max(len(line) for line in card.splitlines()[1:] if line.startswith("  ")) <= 92

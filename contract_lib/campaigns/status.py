@@ -24,6 +24,7 @@ from contract_lib.contract import (
     check,
     origin,
 )
+from contract_lib.frames import Frames
 from contract_lib.patches.builtin import PatchArg, patch_spec
 from contract_lib.runs.harness import frames_or_raise, run_many
 from contract_lib.runs.loop_choice import runnable
@@ -34,6 +35,8 @@ from contract_lib.workloads import workload_names
 # live request's slots, or leave a radix-matched slot zero or wrong (contract_lib.child.kvpool)?
 KV_POOL_ROW = "- KV pool (real MlxModelRunner)"
 MODEL_FREE_KV_POOL_ROW = "- KV pool (model-free runner's contents)"
+POOL_NOTE = ("(KV pool conservation: leak = available + evictable + protected + "
+             "uncached != total at a step boundary, SGLang's own law)")
 KV_POOL_NOTE = ("(KV pool: damaged = KV written through slot 0 or into another live "
                 "request's slots, or a radix-matched slot left zero or wrong)")
 
@@ -139,30 +142,36 @@ class Status:
             if extended and number in EXTENDED_FIELDS:
                 row["clause"] += f" (+ {', '.join(EXTENDED_FIELDS[number])})"
             for loop in columns:
-                cell = per_run[(per_run["clause"] == number) & (per_run["loop"] == loop)]
-                worst = min(cell["status"], key=_SEVERITY.index)
-                count = int((cell["status"] == worst).sum())
-                if worst == VIOLATED and cell.loc[cell["status"] == worst, "finding"].notna().all():
-                    worst = KNOWN_UPSTREAM
-                row[loop] = f"{worst} ({count}/{len(cell)})"
+                worst, count, total = worst_cell(
+                    per_run[(per_run["clause"] == number) & (per_run["loop"] == loop)])
+                row[loop] = f"{worst} ({count}/{total})"
             rows.append(row)
         if self.shows_pool_row():
-            row = {"clause": f"- {POOL_ROW}"}
-            for loop in columns:
-                seen = [not r.pool.empty for (_, l), r in self.reports.items()
-                        if l == loop and r.meta.get("steps")]
-                row[loop] = (f"leak ({sum(seen)}/{len(seen)})" if any(seen)
-                             else f"balanced ({len(seen)}/{len(seen)})")
-            rows.append(row)
+            rows.append({"clause": f"- {POOL_ROW}", **{
+                loop: "{} ({}/{})".format(*self.pool_cell(loop)) for loop in columns}})
         if self.kv_damaged:
-            row = {"clause": KV_POOL_ROW if self.runner == "real" else MODEL_FREE_KV_POOL_ROW}
-            for loop in columns:
-                cell = [bad for (_, l), bad in self.kv_damaged.items() if l == loop]
-                worst = "damaged" if any(cell) else "intact"
-                row[loop] = (f"{worst} ({sum(cell) if any(cell) else len(cell)}/{len(cell)})"
-                             if cell else "-")  # no MLX KV pool on this loop
-            rows.append(row)
+            rows.append({"clause": KV_POOL_ROW if self.runner == "real"
+                         else MODEL_FREE_KV_POOL_ROW, **{
+                             loop: "{} ({}/{})".format(*cell) if (cell := self.kv_cell(loop))
+                             else "-" for loop in columns}})  # "-": no MLX KV pool
         return pd.DataFrame(rows, columns=["clause", *columns]).set_index("clause")
+
+    def pool_cell(self, loop: str) -> tuple[str, int, int]:
+        """SGLang's pool conservation law over ``loop``'s runs that recorded a step:
+        ``leak`` (in how many) or ``balanced``, of how many."""
+        seen = [not r.pool.empty for (_, l), r in self.reports.items()
+                if l == loop and r.meta.get("steps")]
+        return ("leak", sum(seen), len(seen)) if any(seen) else \
+            ("balanced", len(seen), len(seen))
+
+    def kv_cell(self, loop: str) -> tuple[str, int, int] | None:
+        """The MLX KV pool over ``loop``'s runs with a verdict: ``damaged`` (in how many)
+        or ``intact``, of how many; None when the loop has no MLX KV pool."""
+        cell = [bad for (_, l), bad in self.kv_damaged.items() if l == loop]
+        if not cell:
+            return None
+        return ("damaged", sum(cell), len(cell)) if any(cell) else \
+            ("intact", len(cell), len(cell))
 
     def runs_not_finished(self) -> list[tuple[str, str, str]]:
         """(workload, loop, what happened) of every run that did not earn its clause
@@ -231,13 +240,23 @@ class Status:
         lines += _findings_note(table)
         lines += self.absent_note()
         if self.shows_pool_row():
-            lines.append("(KV pool conservation: leak = available + evictable + protected + "
-                         "uncached != total at a step boundary, SGLang's own law)")
+            lines.append(POOL_NOTE)
         if self.kv_damaged:
             lines.append(KV_POOL_NOTE)
         for workload, loop, status in self.runs_not_finished():
             lines.append(f"run {workload} on {loop}: {status}")
         return "\n".join(line.rstrip() for line in lines)
+
+
+def worst_cell(cell: pd.DataFrame) -> tuple[str, int, int]:
+    """A (clause, loop) cell of :meth:`Status.per_run` rows: its worst status (``known
+    upstream`` when every violating run is a catalogued bug), in how many runs it shows,
+    of how many."""
+    worst = min(cell["status"], key=_SEVERITY.index)
+    count = int((cell["status"] == worst).sum())
+    if worst == VIOLATED and cell.loc[cell["status"] == worst, "finding"].notna().all():
+        worst = KNOWN_UPSTREAM
+    return worst, count, len(cell)
 
 
 def _section(label: str, previous: str | None) -> list[str]:
@@ -362,13 +381,20 @@ def releases_status(versions: list[str | None], workloads: list[str] | None = No
                            if registry.spec(loop).sglang else {"sglang": sources[v][0]})}
                        for v, w, loop in keys], progress=progress)
     frames = frames_or_raise(frames)  # e.g. a bad server arg: the table needs every run
+    return checked_releases(
+        {version: {(w, loop): f for (v, w, loop), f in zip(keys, frames) if v == version}
+         for version in sources}, runner, clauses, strict_known)
+
+
+def checked_releases(runs: dict[str, dict[tuple[str, str], Frames]],
+                     runner: str = "model-free", clauses: str = "all",
+                     strict_known: bool = False) -> ReleasesStatus:
+    """The tables of runs already made (per release label, (workload, loop) -> frames,
+    e.g. saved ones): each checked, with the MLX KV pool row."""
     from contract_lib.contract.kv_damage import kv_rows
 
-    runs = [{(w, loop): f for (v, w, loop), f in zip(keys, frames) if v == version}
-            for version in sources]
-    damage = kv_rows(runs, real=runner == "real")
+    damage = kv_rows(list(runs.values()), real=runner == "real")
     return ReleasesStatus([
         Status({key: check(f, clauses, strict_known) for key, f in version_runs.items()},
-               sglang=version,
-               runner=runner, kv_damaged=version_damage)
-        for version, version_runs, version_damage in zip(sources, runs, damage)])
+               sglang=version, runner=runner, kv_damaged=version_damage)
+        for (version, version_runs), version_damage in zip(runs.items(), damage)])

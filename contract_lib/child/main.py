@@ -223,7 +223,8 @@ def _build(spec: RunSpec, family: SGLangFamily, emit, timing: dict[str, float]):
         raise RunSetupError("; ".join(found))  # a cold run's parent could not check them
     scheduler = family.build(ServerArgs(**args), args, spec.server_args,
                              workload.server_args, applied, timing)
-    check_page_size(scheduler, loop_spec.name, triton="triton-standin" not in applied)
+    check_page_size(scheduler, loop_spec.name,
+                    triton=not any(name.startswith("triton-standin") for name in applied))
     emit(("meta", {"shims": applied, "expect": workload.expected_outcomes(),
                    "enable_overlap": bool(scheduler.enable_overlap),
                    "enable_overlap_mlx": bool(scheduler.enable_overlap_mlx),

@@ -79,8 +79,10 @@ def add_sglang_options(parser: argparse.ArgumentParser, repeat: bool = False) ->
             ".cache/sglang/<version> on first use) or a path to an SGLang source tree (a "
             "checkout's root or its python/ folder)")
     if repeat:
-        parser.add_argument("--sglang", action="append", metavar="VERSION|PATH",
-                            help=f"{what}; repeat to print the tables side by side")
+        parser.add_argument("--sglang", action="append", metavar="VERSION|PATH|RANGE",
+                            help=f"{what}, or a range OLDEST..NEWEST of releases (e.g. "
+                            "0.5.14..0.5.23); repeat to print the tables side by side "
+                            "(more than three: a row per release, a block per loop)")
     else:
         parser.add_argument("--sglang", metavar="VERSION|PATH", help=what)
     parser.add_argument("--diff", action="append", metavar="FILE",

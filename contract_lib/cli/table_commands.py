@@ -16,20 +16,25 @@ from contract_lib.cli.options import (
 )
 from contract_lib.patches.builtin import patch_spec
 from contract_lib.runs.harness import RUNNERS
+from contract_lib.sources.versions import release_range
 from contract_lib.verdict import Outcome
 
 
 def cmd_status(args) -> int:
+    from contract_lib.campaigns.history import SIDE_BY_SIDE_MAX, history_text
     from contract_lib.campaigns.status import releases_status
 
-    result = releases_status(list(dict.fromkeys(args.sglang or [None])),
+    chosen = [version for value in args.sglang or [None]
+              for version in ([None] if value is None else release_range(value))]
+    result = releases_status(list(dict.fromkeys(chosen)),
                              workloads=args.workload or None,
                              loops=tuple(args.loop) if args.loop else None,
                              patch=patch_spec(args.patch),
                              cache=not args.no_cache, warm=not args.cold,
                              runner=args.runner, clauses=args.clauses,
                              diffs=args.diff, strict_known=args.strict_known)
-    print(result.text())
+    print(history_text(result) if len(result.statuses) > SIDE_BY_SIDE_MAX
+          else result.text())
     reference = result.reference_violations()
     if not reference.empty:
         print("\nthe torch reference loops violate the contract (a checker bug or an "

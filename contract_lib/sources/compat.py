@@ -14,6 +14,7 @@ be probed). What each release from 0.5.14 needed: ``docs/history.md``.
 
 from __future__ import annotations
 
+import re
 import sysconfig
 from pathlib import Path
 
@@ -36,6 +37,18 @@ RELEASE_REQUIREMENTS: dict[str, tuple[str, ...]] = {
 # SGLang's own Triton stand-in (a mock ``triton`` package) and its installer, which
 # installs it only on Apple Silicon with MPS.
 TRITON_STANDIN = ("_platform_stubs.py", "install_platform_stubs")
+
+
+def package_version(package: Path) -> str | None:
+    """The version an SGLang package folder was built as (``sglang/_version.py``, which
+    SGLang's build writes), or None."""
+    try:
+        text = (package / "_version.py").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    found = re.search(r"^__version__\s*=\s*(?:version\s*=\s*)?['\"]([^'\"]+)['\"]", text,
+                      re.M) or re.search(r"^version\s*=\s*['\"]([^'\"]+)['\"]", text, re.M)
+    return found.group(1) if found else None
 
 
 def triton_standin(package: Path) -> Path:

@@ -8,7 +8,6 @@ import ast
 import dataclasses
 import hashlib
 import json
-import re
 import subprocess
 import threading
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 from contract_lib.atomic import atomic_write
 from contract_lib.paths import PROJECT_ROOT
+from contract_lib.sources.compat import package_version
 from contract_lib.sources.installs import python_files
 from contract_lib.sources.versions import SUPPORTED_SGLANG_VERSIONS, UnsupportedSGLangError
 
@@ -138,11 +138,9 @@ def check_tree(path: Path) -> Path:
 def tree_version(root: Path) -> str:
     """The tree's version: ``sglang/_version.py`` (written by the build), else
     ``git describe`` of its checkout, else ``unknown version``."""
-    text = _read(root / "sglang" / "_version.py")
-    found = re.search(r"^__version__\s*=\s*(?:version\s*=\s*)?['\"]([^'\"]+)['\"]", text, re.M) or \
-        re.search(r"^version\s*=\s*['\"]([^'\"]+)['\"]", text, re.M)
-    if found:
-        return found.group(1)
+    built = package_version(root / "sglang")
+    if built:
+        return built
     try:
         done = subprocess.run(["git", "-C", str(root), "describe", "--tags", "--always",
                                "--dirty"], capture_output=True, text=True, timeout=30)
@@ -150,13 +148,6 @@ def tree_version(root: Path) -> str:
         return "unknown version"
     return f"git {done.stdout.strip()}" if done.returncode == 0 and done.stdout.strip() \
         else "unknown version"
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return ""
 
 
 def tree_source(path: Path) -> Source:

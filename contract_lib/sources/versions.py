@@ -74,6 +74,42 @@ def require_supported_sglang(version: str | None = None) -> str:
     return version
 
 
+def release_range(value: str) -> list[str]:
+    """``OLDEST..NEWEST`` (``--sglang 0.5.14..0.5.23``): the supported releases from one
+    to the other in release order, both included; any other value (a release, a path)
+    as itself. A bad range is one :class:`UnsupportedSGLangError` line."""
+    first, sep, last = value.partition("..")
+    if not sep or os.sep in value or os.path.exists(value):
+        return [value]
+    order = list(SUPPORTED_SGLANG_VERSIONS)
+    unknown = [end for end in (first, last) if end not in order]
+    if unknown:
+        what = ("an end is missing" if "" in unknown
+                else f"not supported: {', '.join(unknown)}")
+        raise UnsupportedSGLangError(f"release range {value}: {what}; write OLDEST..NEWEST "
+                                     f"with two of {', '.join(order)}")
+    if order.index(first) > order.index(last):
+        raise UnsupportedSGLangError(
+            f"release range {value}: empty ({first} is newer than {last}); write "
+            f"OLDEST..NEWEST, e.g. {order[0]}..{order[-1]}")
+    return order[order.index(first):order.index(last) + 1]
+
+
+def release_spans(versions: list[str]) -> str:
+    """Releases as runs of consecutive supported ones: ``0.5.14-0.5.16, 0.5.18`` (any
+    other label as itself)."""
+    order = list(SUPPORTED_SGLANG_VERSIONS)
+    spans: list[list[str]] = []
+    for version in versions:
+        follows = (spans and spans[-1][-1] in order and version in order
+                   and order.index(version) == order.index(spans[-1][-1]) + 1)
+        if follows:
+            spans[-1].append(version)
+        else:
+            spans.append([version])
+    return ", ".join(span[0] if len(span) == 1 else f"{span[0]}-{span[-1]}" for span in spans)
+
+
 def releases_dir() -> Path:
     return Path(os.environ.get(RELEASES_DIR_ENV, PROJECT_ROOT / ".cache" / "sglang"))
 

@@ -9,15 +9,19 @@ panels (:func:`~contract_lib.views.style.panels`). Colours mean one thing in eve
 for two runs of the same input.
 
 - :mod:`.style`: the palette, panels, titles, legends, wrapping;
-- :mod:`.launches`: fresh vs chained launches (overview);
-- :mod:`.slots`: clause 1, ``req_to_token`` rows;
-- :mod:`.counters`: clause 2, counter drift and radix reuse;
-- :mod:`.stamps`: clause 3; :mod:`.relay`: clause 4; :mod:`.idle`: clause 5;
-- :mod:`.tables`: clause table, frames around a step, crash summary, bug cards;
+- :mod:`.launch_figures`: fresh vs chained launches (overview);
+- :mod:`.slot_figures`: clause 1, ``req_to_token`` rows;
+- :mod:`.counter_figures`: clause 2, counter drift and radix reuse;
+- :mod:`.stamp_figures`: clause 3; :mod:`.relay_figures`: clause 4;
+  :mod:`.idle_figures`: clause 5;
+- :mod:`.catalog_tables`: clause table, frames around a step, crash summary, bug cards;
 - :mod:`.triage`: where to look first, one step of one request, the clause's own view;
-- :mod:`.extensions`: clauses 6 and 7, and clause 2 under memory pressure;
-- :mod:`.audit`: the effects audit; :mod:`.kvpool`: the real MLX runner's KV pool;
-- :mod:`.compare`: a run beside its references (clause statuses, verdicts, tokens);
+- :mod:`.extension_figures`: clauses 6 and 7, and clause 2 under memory pressure;
+- :mod:`.audit_figures`: the effects audit; :mod:`.kvpool_figures`: the real MLX
+  runner's KV pool;
+- :mod:`.comparison`: a run beside its references (clause statuses, verdicts, tokens);
+- :mod:`.history_figures`: clause x release; :mod:`.history_tables`: each July bug per
+  release;
 - :mod:`.pair_figures`: one request across a PD pair's prefill and decode sides;
 - :mod:`.notebook`: the set-up cell, the verdict line, a parameterised notebook's run.
 """
@@ -38,6 +42,13 @@ from contract_lib.views.extension_figures import (
                                            memory_table,
                                            retired_lanes,
                                            scheduling_clock,
+)
+from contract_lib.views.history_figures import clause_history
+from contract_lib.views.history_tables import (
+                                           kv_history,
+                                           read_against_measured,
+                                           shutdown_history,
+                                           stamp_history,
 )
 from contract_lib.views.idle_figures import idle_predicate
 from contract_lib.views.kvpool_figures import (
@@ -75,14 +86,19 @@ from contract_lib.views.triage import (
 
 __all__ = [
     "SLOT_COLOURS", "audit_cadences", "audit_table", "beyond_rfc_text", "bug_card",
-    "check_switches", "checked_run", "clause_comparison", "clause_view", "clock_table", "counter_drift",
+    "check_switches", "checked_run", "clause_comparison", "clause_history", "clause_view",
+    "clock_table", "counter_drift",
     "crash_summary", "damage_by_workload", "damage_summary", "damage_table", "first_violation",
-    "frames_around", "idle_predicate", "kv_pool_verdicts", "kv_writes", "later_turns",
+    "frames_around", "idle_predicate", "kv_history", "kv_pool_verdicts", "kv_writes",
+    "later_turns",
     "launch_kinds", "launch_timeline", "md", "memory_pressure", "memory_table",
-    "pair_journey", "panels", "radix_reuse", "radix_reuse_table", "recorded_summary", "relay_events",
+    "pair_journey", "panels", "radix_reuse", "radix_reuse_table", "read_against_measured",
+    "recorded_summary", "relay_events",
     "report_table",
     "retired_lanes", "run_label", "same_tables", "scheduling_clock", "setup",
+    "shutdown_history",
     "slot_grid", "slot_rows", "stamps_table", "step_explorer", "step_figure",
-    "step_snapshot", "step_stamps", "Stop", "text_table", "token_table", "triage_focus",
+    "stamp_history", "step_snapshot", "step_stamps", "Stop", "text_table", "token_table",
+    "triage_focus",
     "verdict_line", "wrap",
 ]

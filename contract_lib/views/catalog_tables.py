@@ -47,7 +47,8 @@ def text_table(table: pd.DataFrame) -> str:
 
 def bug_card(clause: int) -> str:
     """The July bugs of one clause from ``data/bugs.toml``: PRs, symptom, the flags that
-    expose it, affected releases and how contract_lib replays it."""
+    expose it, the releases affected as read and as measured, and how contract_lib
+    replays it."""
     from contract_lib.patches.catalog import bug_catalog
 
     cards = []
@@ -59,7 +60,9 @@ def bug_card(clause: int) -> str:
             f"{', '.join(bug['prs'])}",
             *textwrap.wrap(f"symptom: {bug['symptom']}", 92, subsequent_indent="  "),
             *textwrap.wrap(f"flags: {bug['flags']}", 92, subsequent_indent="  "),
-            *textwrap.wrap(f"affected: {bug['affected']}", 92, subsequent_indent="  "),
+            *textwrap.wrap(f"affected (read): {bug['affected']}", 92,
+                           subsequent_indent="  "),
+            *textwrap.wrap(f"measured: {bug['measured']}", 92, subsequent_indent="  "),
             *textwrap.wrap(f"replay: {bug['replay']}", 92, subsequent_indent="  "),
         ]))
     return "\n\n".join(cards) or f"no catalogued bug for clause {clause}"

@@ -8,7 +8,7 @@ colour     meaning
 ========== =========================================================================
 GREEN      holds / correct (a recorded slot, a published read, a set stamp)
 VERMILLION the violation itself (slot 0, an unpublished read, a missing stamp, lost KV)
-SALMON     a violation of a milder kind (a stale entry pointing at a free slot)
+SALMON     a milder violation (a stale entry to a free slot, masked, known upstream)
 BROWN      state left behind by someone else (a row's previous holder, a cached slot)
 PURPLE     another live request (a shared slot, KV written over another request's)
 BLUE       what the scheduler recorded (its counters, fresh launches, relay writes)

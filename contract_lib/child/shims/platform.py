@@ -35,6 +35,8 @@ def on_apple_silicon_with_mlx() -> bool:
 
 
 _IMPORT_SHIMS: list[str] = []  # in effect in this process (inherited by forked runs)
+# SGLang's Triton stand-in, named with the release whose file was loaded.
+TRITON_STANDIN_SHIM = "triton-standin"
 
 
 def install_import_shims() -> list[str]:
@@ -42,10 +44,10 @@ def install_import_shims() -> list[str]:
 
     Returns the names of the import shims in effect (empty where none is needed).
     """
-    if ("triton-standin" not in _IMPORT_SHIMS and importlib.util.find_spec("triton") is None
+    if (not any(name.startswith(TRITON_STANDIN_SHIM) for name in _IMPORT_SHIMS)
+            and importlib.util.find_spec("triton") is None
             and not on_apple_silicon_with_mlx()):  # there sglang/__init__ installs it itself
-        _install_sglang_triton_standin()
-        _IMPORT_SHIMS.append("triton-standin")
+        _IMPORT_SHIMS.append(_install_sglang_triton_standin())
     if ("torchvision-placeholder" not in _IMPORT_SHIMS
             and importlib.util.find_spec("torchvision") is None):
         _install_torchvision_placeholder()
@@ -53,9 +55,10 @@ def install_import_shims() -> list[str]:
     return list(_IMPORT_SHIMS)
 
 
-def _install_sglang_triton_standin() -> None:
+def _install_sglang_triton_standin() -> str:
     """Load SGLang's own Triton stand-in (``sglang/_platform_stubs.py``; which release's:
-    :func:`contract_lib.sources.compat.triton_standin`).
+    :func:`contract_lib.sources.compat.triton_standin`); the shim's name says which
+    (``triton-standin-0.5.23``: the venv's stand-in under an older release).
 
     Why: ``sglang/srt/utils/common.py`` does ``import triton`` unconditionally; real
     triton is ~900 MB and has no use without a GPU. SGLang ships a complete stand-in for
@@ -65,7 +68,7 @@ def _install_sglang_triton_standin() -> None:
     "Apple"; its MPS-only patches touch ``torch.mps`` attributes and ``non_blocking``
     copies *to MPS*, neither of which a CPU run uses.
     """
-    from contract_lib.sources.compat import TRITON_STANDIN, triton_standin
+    from contract_lib.sources.compat import TRITON_STANDIN, package_version, triton_standin
 
     spec = importlib.util.find_spec("sglang")
     if spec is None or not spec.submodule_search_locations:
@@ -83,6 +86,7 @@ def _install_sglang_triton_standin() -> None:
         mock.patch.object(torch.backends.mps, "is_available", lambda: True),
     ):
         getattr(module, TRITON_STANDIN[1])()
+    return f"{TRITON_STANDIN_SHIM}-{package_version(path.parent) or 'unknown'}"
 
 
 class _AnyAttribute(types.ModuleType):
