@@ -29,9 +29,9 @@
 # **Who reads it (SGLang 0.5.23).** `resolve_forward_inputs`
 # (`managers/overlap_utils.py:113`) reads it in two places:
 # - a decode batch without `input_ids` gathers `output_tokens_buf[req_pool_indices]`
-#   (:144);
+#   (`overlap_utils.py:144`);
 # - a **mixed** batch gathers `output_tokens_buf[mix_running_indices]` for its decode
-#   lanes (:131) and concatenates them after the prefill ids with `torch.cat`.
+#   lanes (`overlap_utils.py:131`) and concatenates them after the prefill ids with `torch.cat`.
 #
 # On MLX a pure decode batch never reaches the relay, because `_finalize_mlx_pending_job`
 # sets `input_ids` from the finished step. A mixed batch does reach it: with

@@ -1,0 +1,63 @@
+"""Generated blocks read from committed files or the test suite: the fixtures, the fast
+tier's size and measured time, the search campaigns' table."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+from contract_lib.paths import PROJECT_ROOT
+from contract_lib.pages.registry import generator
+
+FIXTURES = PROJECT_ROOT / "tests" / "fixtures"
+FAST_TIER_RESULT = PROJECT_ROOT / "benchmarks" / "fast-tier.json"
+SEARCH_RESULT = PROJECT_ROOT / "benchmarks" / "search.md"
+
+
+@generator("fixtures", needs="files")
+def fixtures_phrase() -> str:
+    """How many committed runs the fast tier reads, and their size."""
+    files = sorted(FIXTURES.glob("*.json"))
+    size = sum(f.stat().st_size for f in files) / 1e6
+    return f"{len(files)} runs saved by `scripts/make-fixtures`, {size:.1f} MB of compact JSON"
+
+
+def collected(marker: str) -> int:
+    """How many tests ``pytest --collect-only -q -m MARKER tests`` selects."""
+    ran = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", marker,
+                          "tests"], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                         check=False)
+    found = re.search(r"^(\d+)(?:/\d+)? tests? collected", ran.stdout, re.MULTILINE)
+    if ran.returncode != 0 or not found:
+        raise RuntimeError(f"pytest --collect-only -m {marker}: exit {ran.returncode}\n"
+                           + ran.stdout[-2000:])
+    return int(found.group(1))
+
+
+@generator("test-count", needs="pytest")
+def test_count_phrase(marker: str = "fast") -> str:
+    """``N tests``: what ``pytest -m MARKER tests`` selects."""
+    return f"{collected(marker)} tests"
+
+
+@generator("fast-tier-time", needs="files")
+def fast_tier_time_phrase() -> str:
+    """The fast tier's time as ``benchmarks/fast_tier.py`` measured it, with the machine."""
+    result = json.loads(FAST_TIER_RESULT.read_text())
+    runs = result["runs"]
+    walls = ", ".join(f"{r['wall_s']:.0f}" for r in runs)
+    reported = ", ".join(f"{r['pytest_s']:.0f}" for r in runs)
+    return (f"{result['tests']} tests: {reported} s as pytest reports it, {walls} s wall, "
+            f"over {len(runs)} runs, the first after byte-compiling nothing "
+            f"(`benchmarks/fast_tier.py`, {result['date']}: {result['machine']})")
+
+
+@generator("search-table", needs="files")
+def search_table() -> str:
+    """The first table of ``benchmarks/search.md`` (written by ``search_bench.py``)."""
+    lines = SEARCH_RESULT.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return "\n".join(lines[start:end])
