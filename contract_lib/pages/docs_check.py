@@ -43,39 +43,46 @@ def _where(path: Path) -> Path:
 def _diff(old: str, new: str) -> str:
     lines = list(difflib.unified_diff(old.splitlines(), new.splitlines(), "written",
                                       "generated", n=0, lineterm=""))[2:]
-    return "\n".join("    " + line for line in lines[:12]) + ("\n    ..." if len(lines) > 12 else "")
+    more = "\n    ..." if len(lines) > 12 else ""
+    return "\n".join("    " + line for line in lines[:12]) + more
+
+
+def _check_block(block: Block, label: str, fresh: str) -> str | None:
+    if block.edited():
+        return (f"{label}: edited by hand (its text no longer has its digest); regenerate "
+                "it with scripts/check-docs --write")
+    if fresh.strip("\n") != block.text.strip("\n"):
+        return f"{label}: stale; scripts/check-docs --write writes:\n" + _diff(block.text, fresh)
+    return None
 
 
 def check_blocks(docs: list[Path], needs: str, write: bool) -> list[str]:
-    """Problems of the generated blocks (and, with ``write``, regenerate them)."""
+    """Problems of the generated blocks (and, with ``write``, regenerate them); a block
+    whose generator needs more than ``needs`` is only checked for hand edits."""
     allowed, problems, made = NEEDS[:NEEDS.index(needs) + 1], [], {}
     for doc in docs:
         text, where = doc.read_text(), _where(doc)
         updates = {}
         try:
             found = blocks(text)
-            for block in found:
-                label = f"{where}:{block.line}: block `{block.spec}`"
-                if _needs(block) not in allowed:
-                    continue
-                if block.spec not in made:
-                    made[block.spec] = generate(block)
-                fresh = made[block.spec]
-                if write:
-                    updates[block] = fresh
-                elif block.edited():
-                    problems.append(f"{label}: edited by hand (its text no longer has its "
-                                    "digest); regenerate it with scripts/check-docs --write")
-                elif fresh.strip("\n") != block.text.strip("\n"):
-                    problems.append(f"{label}: stale; scripts/check-docs --write writes:\n"
-                                    + _diff(block.text, fresh))
-            if not write:  # blocks the cap left out: at least their digests
-                problems += [f"{where}:{b.line}: block `{b.spec}`: edited by hand (its text "
-                             "no longer has its digest); regenerate it with scripts/check-docs "
-                             "--write" for b in found
-                             if _needs(b) not in allowed and b.edited()]
         except MarkerError as error:
             problems.append(f"{where}: {error}")
+            continue
+        for block in found:
+            label = f"{where}:{block.line}: block `{block.spec}`"
+            try:
+                if _needs(block) not in allowed:
+                    problem = None if write else _check_block(block, label, block.text)
+                else:
+                    if block.spec not in made:
+                        made[block.spec] = generate(block)
+                    if write:
+                        updates[block] = made[block.spec]
+                    problem = None if write else _check_block(block, label, made[block.spec])
+            except MarkerError as error:
+                problem = f"{label}: {error}"
+            if problem:
+                problems.append(problem)
         if updates:
             doc.write_text(replace(text, updates))
     return problems

@@ -47,11 +47,15 @@ def fast_tier_time_phrase() -> str:
     """The fast tier's time as ``benchmarks/fast_tier.py`` measured it, with the machine."""
     result = json.loads(FAST_TIER_RESULT.read_text())
     runs = result["runs"]
-    walls = ", ".join(f"{r['wall_s']:.0f}" for r in runs)
-    reported = ", ".join(f"{r['pytest_s']:.0f}" for r in runs)
-    return (f"{result['tests']} tests: {reported} s as pytest reports it, {walls} s wall, "
-            f"over {len(runs)} runs, the first after byte-compiling nothing "
-            f"(`benchmarks/fast_tier.py`, {result['date']}: {result['machine']})")
+
+    def spread(key: str) -> str:
+        low, high = min(r[key] for r in runs), max(r[key] for r in runs)
+        return f"{low:.0f}" if round(low) == round(high) else f"{low:.0f}-{high:.0f}"
+    loads = ", ".join(f"{r['load_before']:.1f}" for r in runs)
+    return (f"{result['tests']} tests in {spread('pytest_s')} s as pytest reports it "
+            f"({spread('wall_s')} s wall) over {len(runs)} runs on {result['machine']}, "
+            f"load average {loads} at their start (`benchmarks/fast_tier.py`, "
+            f"{result['date']})")
 
 
 @generator("search-table", needs="files")

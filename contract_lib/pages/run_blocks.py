@@ -50,25 +50,28 @@ def _section_rows(labels: list[str], width: int) -> list[list[str]]:
 
 
 def _refused(statuses) -> list[str]:
-    """A sentence per kind of run that earned no clause status."""
+    """A sentence per kind of run that earned no clause status (releases named only when
+    they differ)."""
     from contract_lib.campaigns.status import UNSUPPORTED
 
-    refused: dict[str, list[str]] = {}
+    refused: dict[str, dict[str, list[str]]] = {}  # loop -> workload -> releases
     other = []
     for status in statuses:
         where = f" (sglang {status.sglang})" if len(statuses) > 1 else ""
         for workload, loop, fate in status.runs_not_finished():
             if fate.startswith(UNSUPPORTED):
-                refused.setdefault(f"`{loop}`{where}", []).append(f"`{workload}`")
+                refused.setdefault(loop, {}).setdefault(workload, []).append(status.sglang)
             else:
                 other.append(f"`{workload}` on `{loop}`{where}: {fate}")
-    lines = []
-    if refused:
-        lines.append("Refused in set-up as unsupported, so counted in no cell: "
-                     + "; ".join(f"{', '.join(w)} on {loop}" for loop, w in refused.items())
-                     + ".")
-    lines += [f"Did not earn its clause statuses: {line}." for line in other]
-    return lines
+    parts = []
+    for loop, workloads in refused.items():
+        for workload, releases in workloads.items():
+            every = len(releases) == len(statuses)
+            parts.append(f"`{workload}` on `{loop}`" + ("" if every else
+                         " (sglang " + ", ".join(map(str, releases)) + ")"))
+    lines = ["Refused in set-up as unsupported, so counted in no cell: "
+             + "; ".join(parts) + "."] if parts else []
+    return lines + [f"Did not earn its clause statuses: {line}." for line in other]
 
 
 @generator("status", needs="runs")
@@ -91,6 +94,20 @@ def status_block(loops: str = "", sglang: str = "", patch: str = "",
     return "\n\n".join([head, md_table(["clause", *table.columns], rows), *notes])
 
 
+@generator("cell-workloads", needs="runs")
+def cell_workloads_phrase(loops: str, loop: str, clause: str, status: str,
+                          patch: str = "") -> str:
+    """The workloads on which ``clause`` shows ``status`` on ``loop`` in the ``status``
+    table of ``loops`` (a phrase: `a`, `b`)."""
+    from contract_lib.campaigns.status import status as measure
+
+    cells = measure(loops=tuple(loops.split(",")), patch=patch or None,
+                    progress=False).per_run()
+    hits = cells[(cells["loop"] == loop) & (cells["clause"] == int(clause))
+                 & (cells["status"] == status.replace("_", " "))]
+    return ", ".join(f"`{w}`" for w in hits["workload"]) or "none"
+
+
 def _violated_fields(status, loop: str, clause: int) -> list[str]:
     fields: set[str] = set()
     for (_, run_loop), report in status.reports.items():
@@ -106,26 +123,40 @@ def releases_block(versions: str, loops: str, runner: str = "model-free",
     """Clause x release over the shipped workloads (rows per loop when several); the
     violated fields written in the cells of the clauses listed in ``fields``."""
     from contract_lib.campaigns.status import releases_status
+    from contract_lib.contract import origin
 
-    names = versions.split(",")
-    loop_names = loops.split(",")
+    names, loop_names = versions.split(","), loops.split(",")
     measured = releases_status(names, loops=tuple(loop_names), progress=False, runner=runner)
     table = measured.table()
     shown = {int(n) for n in fields.split(",") if n}
-    rows = []
+    rows, last = [], None
     for clause, loop in table.index:
-        label = clause if len(loop_names) == 1 else f"{clause}: {loop}"
+        number = clause.split(" ", 1)[0]
+        if number.isdigit() and origin(int(number)) != last:
+            last = origin(int(number))
+            rows.append([f"**{last}**"] + [""] * len(names))
         cells = []
         for status, version in zip(measured.statuses, names):
             cell = table.loc[(clause, loop), version]
-            number = clause.split(" ", 1)[0]
             if number.isdigit() and int(number) in shown and cell.startswith("violated"):
-                cell = cell.replace(")", f": {', '.join(_violated_fields(status, loop, int(number)))})")
+                fields_ = ", ".join(_violated_fields(status, loop, int(number)))
+                cell = cell.replace(")", f": {fields_})")
             cells.append(cell)
-        rows.append([label, *cells])
+        rows.append([clause if len(loop_names) == 1 else f"{clause}: {loop}", *cells])
     command = _command(loop_names, names, "", runner, "all")
     return "\n\n".join([f"`{command}` (exit {int(measured.outcome())}):",
                         md_table(["clause", *names], rows), *_refused(measured.statuses)])
+
+
+@generator("stamp-violations", needs="runs")
+def stamp_violations_phrase(workload: str, loop: str, field: str) -> str:
+    """``N of M launches``: the launches whose clause-3 ``field`` is violated on a run."""
+    from contract_lib.contract import check
+
+    frames, _ = _runs(loop, workload)
+    found = check(frames[0]).clauses[3].violations
+    return (f"{int((found['field'] == field).sum())} of {len(frames[0].launches)} "
+            "launches")
 
 
 @generator("memory-pressure", needs="runs")
@@ -137,10 +168,13 @@ def memory_block(runs: str = "normal,overlap,mlx,mlx:fix-chained-accounting") ->
     rows = []
     for run, label in zip(frames, labels):
         table = memory_table(run)
+        same = run.output_tokens() == frames[0].output_tokens()
         rows.append([label, int(table["retractions"].iloc[-1]), int(table["computed"].max()),
-                     int(table["accounted"].max()), int(table["pool"].iloc[0])])
+                     int(table["accounted"].max()), int(table["pool"].iloc[0]),
+                     "yes" if same else "no"])
     return md_table(["run", "retractions", "peak computed positions",
-                     "peak accounted (kv_committed_len)", "pool slots"], rows)
+                     "peak accounted (kv_committed_len)", "pool slots",
+                     f"tokens as on {labels[0]}"], rows)
 
 
 @generator("reuse", needs="runs")
@@ -160,7 +194,7 @@ def tokens_phrase(workload: str, rid: str, runs: str) -> str:
     frames, labels = _runs(runs, workload)
     counts = [f"{len(run.output_tokens().get(rid, []))} on `{label}`"
               for run, label in zip(frames, labels)]
-    return "tokens: " + ", ".join(counts)
+    return counts[0].replace(" on", " tokens on", 1) + "".join(f", {c}" for c in counts[1:])
 
 
 @generator("violation", needs="runs")
@@ -208,9 +242,27 @@ def omni_frames_block(sglang: str = "0.5.22") -> str:
         if unsupported(omni.meta):
             continue
         same = omni.output_tokens() == normal.output_tokens()
+        ahead = {rid: row["kv_committed_len"] - _final(normal)[rid]["kv_committed_len"]
+                 for rid, row in _final(omni).items()}
         rows.append([workload, _shape(normal), _shape(overlap), _shape(omni),
                      "equal" if same else "differ",
-                     "equal" if _final(omni) == _final(normal) else "differ"])
+                     f"+1 each ({len(ahead)})" if set(ahead.values()) == {1}
+                     else ", ".join(f"{r} {d:+d}" for r, d in ahead.items())])
     return md_table(["workload", f"normal ({sglang})", f"overlap ({sglang})", "omni",
-                     "tokens", "final counters"], rows)
+                     "tokens", "final kv_committed_len, omni - normal"], rows)
+
+
+@generator("omni-overrun", needs="releases")
+def omni_overrun_phrase(workload: str) -> str:
+    """When each request finishes on ``omni`` and which launches it drops."""
+    frames, _ = _runs("omni", workload)
+    done = frames[0].requests[frames[0].requests["finished"].astype(bool)]
+    finished = done.groupby("rid")["step"].min().reset_index().sort_values(["step", "rid"])
+    finished = dict(zip(finished["rid"], finished["step"]))
+    dropped = frames[0].launches[frames[0].launches["processed_step"].isna()]
+    return (f"{len(finished)} requests finish ("
+            + ", ".join(f"`{rid}` at step {step}" for rid, step in finished.items())
+            + f") and {len(dropped)} launches are dropped ("
+            + ", ".join(f"`{r.rids}`'s, launched at step {r.step}"
+                        for r in dropped.itertuples()) + ")")
 

@@ -63,7 +63,8 @@ class Finding:
         doc = self.ref.doc if self.ref else TABLE
         where = doc.relative_to(root) if doc.is_relative_to(root) else doc
         where = f"{where}:{self.ref.line_in_doc}" if self.ref else f"{where}"
-        said = f"{self.ref.path}:{self.ref.line}" if self.ref else f"{self.entry.file}:{self.entry.line}"
+        said = (f"{self.ref.path}:{self.ref.line}" if self.ref
+                else f"{self.entry.file}:{self.entry.line}")
         return f"{where}: SGLang reference `{said}`: {self.problem}: {self.detail}"
 
 
@@ -81,7 +82,9 @@ def save(entries: list[Entry], table: Path | None = None) -> None:
 
 
 def _toml_string(text: str) -> str:
-    return "'" + text + "'" if "'" not in text else '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if "'" not in text:
+        return f"'{text}'"
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def refs(doc: Path) -> list[Ref]:
