@@ -5,9 +5,11 @@ and show each check failing; the others regenerate every block from runs."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from contract_lib.pages import docs_check, markers, sglang_lines
+from contract_lib.pages import docs_check, markers, prose, sglang_lines
 from contract_lib.pages.registry import generate
 
 
@@ -94,6 +96,18 @@ def test_a_stale_project_path_and_an_out_of_date_environment_fail(tmp_path, monk
         "environment.yml: differs from what pyproject.toml generates; "
         "scripts/check-docs --write rewrites it"]
     assert "      - hypothesis==" in environment.render()
+
+
+@pytest.mark.fast
+def test_no_markdown_heading_sits_in_a_notebook_code_cell():
+    """A heading commented into a code cell shows as a `#` comment and runs off the
+    screen (00's reading order did); every heading of a notebook source is Markdown."""
+    for source in prose.notebook_sources():
+        text = source.read_text()
+        markdown = prose.regions(source, text)
+        for heading in re.finditer(r"^# #+ .*$", text, re.MULTILINE):
+            assert any(start <= heading.start() < end for start, end in markdown), (
+                f"{source.name}: {heading.group(0)!r} is in a code cell")
 
 
 def test_every_block_that_needs_the_venvs_sglang_is_current():
