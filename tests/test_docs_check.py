@@ -58,7 +58,8 @@ def test_a_moved_sglang_line_fails_and_write_moves_its_number(tmp_path, monkeypa
     sglang_lines.save(entries, table)
     doc = tmp_path / "doc.md"
     doc.write_text("`here` (`managers/x.py:3`) and `there` (:5).\n\n`unknown.py:9`\n")
-    monkeypatch.setattr(sglang_lines, "root_dir", lambda root, install=False: tmp_path / "site")
+    monkeypatch.setattr(sglang_lines, "root_dir",
+                        lambda root, install=False, package="sglang": tmp_path / "site")
     [unknown] = sglang_lines.check([doc], sglang_lines.load(table))
     assert unknown.problem == "unknown" and unknown.ref.path == "unknown.py"
     doc.write_text(doc.read_text().split("\n\n")[0] + "\n")

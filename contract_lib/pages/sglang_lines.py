@@ -105,11 +105,12 @@ def refs(doc: Path) -> list[Ref]:
     return found
 
 
-def root_dir(root: str, install: bool = False) -> Path | None:
-    """The folder a root's files are relative to; None when it is not installed (and
-    ``install`` is false)."""
+def root_dir(root: str, install: bool = False, package: str = "sglang") -> Path | None:
+    """The folder a root's files (of top-level ``package``) are relative to; None when it
+    is not installed (and ``install`` is false)."""
     if root == VENV:
-        return Path(importlib.util.find_spec("sglang").submodule_search_locations[0]).parent
+        spec = importlib.util.find_spec(package)
+        return Path(spec.submodule_search_locations[0]).parent if spec else None
     if root.startswith("sglang=="):
         from contract_lib.sources import versions
 
@@ -156,11 +157,12 @@ def check(docs: list[Path], entries: list[Entry], install: bool = False) -> list
                                     "line with `scripts/check-docs --add-references`"))
             continue
         used.setdefault(id(hits[0]), (hits[0], []))[1].append(ref)
-    folders: dict[str, Path | None] = {}
+    folders: dict[tuple[str, str], Path | None] = {}
     for entry, where in used.values():
-        if entry.root not in folders:
-            folders[entry.root] = root_dir(entry.root, install)
-        folder = folders[entry.root]
+        key = (entry.root, entry.file.split("/", 1)[0])
+        if key not in folders:
+            folders[key] = root_dir(entry.root, install, package=key[1])
+        folder = folders[key]
         if folder is None:
             findings.append(Finding(where[0], entry, "not installed",
                                     f"{entry.root} (scripts/check-docs installs it)"))
