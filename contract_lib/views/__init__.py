@@ -3,21 +3,25 @@
 Every figure takes :class:`~contract_lib.frames.Frames` and returns a
 :class:`matplotlib.figure.Figure` built without pyplot, with a title, a subtitle saying
 what to look at, labelled axes and a legend; several runs are drawn as side-by-side
-panels (:func:`~contract_lib.views.style.panels`). Colours mean one thing in every figure
+panels, or one per row when they do not fit the width
+(:func:`~contract_lib.views.style.panels`). Colours mean one thing in every figure
 (:mod:`~contract_lib.views.style`). No module here checks a clause: they draw what
 :mod:`contract_lib.contract` decides. Nothing reads a wall clock, so a figure is the same
 for two runs of the same input.
 
-- :mod:`.style`: the palette, panels, titles, legends, wrapping;
-- :mod:`.launches`: fresh vs chained launches (overview);
-- :mod:`.slots`: clause 1, ``req_to_token`` rows;
-- :mod:`.counters`: clause 2, counter drift and radix reuse;
-- :mod:`.stamps`: clause 3; :mod:`.relay`: clause 4; :mod:`.idle`: clause 5;
-- :mod:`.tables`: clause table, frames around a step, crash summary, bug cards;
+- :mod:`.style`: the palette, panels, titles, legends, wrapping, font sizes;
+- :mod:`.launch_figures`: fresh vs chained launches (overview);
+- :mod:`.slot_figures`: clause 1, ``req_to_token`` rows;
+- :mod:`.counter_figures`: clause 2, counter drift and radix reuse;
+- :mod:`.stamp_figures`: clause 3; :mod:`.relay_figures`: clause 4;
+  :mod:`.idle_figures`: clause 5;
+- :mod:`.catalog_tables`: clause table, frames around a step, crash summary, bug cards
+  and the bug catalogue; :mod:`.text`: the per-step table;
 - :mod:`.triage`: where to look first, one step of one request, the clause's own view;
-- :mod:`.extensions`: clauses 6 and 7, and clause 2 under memory pressure;
-- :mod:`.audit`: the effects audit; :mod:`.kvpool`: the real MLX runner's KV pool;
-- :mod:`.compare`: a run beside its references (clause statuses, verdicts, tokens);
+- :mod:`.extension_figures`: clauses 6 and 7, and clause 2 under memory pressure;
+- :mod:`.audit_figures`: the effects audit; :mod:`.kvpool_figures`: the real MLX
+  runner's KV pool;
+- :mod:`.comparison`: a run beside its references (clause statuses, later turns);
 - :mod:`.notebook`: the set-up cell, the verdict line, a parameterised notebook's run.
 """
 
@@ -36,15 +40,17 @@ from contract_lib.views.relay_figures import relay_events
 from contract_lib.views.slot_figures import SLOT_COLOURS, slot_grid, slot_rows
 from contract_lib.views.stamp_figures import stamps_table, step_stamps
 from contract_lib.views.style import panels, run_label, wrap
-from contract_lib.views.catalog_tables import (bug_card, crash_summary, frames_around, report_table,
-                                       text_table)
+from contract_lib.views.catalog_tables import (bug_card, catalog_table, crash_summary,
+                                               frames_around, report_table, text_table)
 from contract_lib.views.triage import (clause_view, first_violation, recorded_summary,
                                        step_explorer, step_figure, step_snapshot,
                                        triage_focus)
 
 __all__ = [
     "SLOT_COLOURS", "audit_cadences", "audit_table", "beyond_rfc_text", "bug_card",
-    "check_switches", "checked_run", "clause_comparison", "clause_view", "clock_table", "counter_drift",
+    "catalog_table",
+    "check_switches", "checked_run", "clause_comparison", "clause_view", "clock_table",
+    "counter_drift",
     "crash_summary", "damage_by_workload", "damage_summary", "damage_table", "first_violation",
     "frames_around", "idle_predicate", "kv_pool_verdicts", "kv_writes", "later_turns",
     "launch_kinds", "launch_timeline", "md", "memory_pressure", "memory_table",

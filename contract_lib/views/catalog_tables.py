@@ -45,6 +45,12 @@ def text_table(table: pd.DataFrame) -> str:
                      + [line(row) for row in zip(*cells)])
 
 
+def catalog_table(catalog: list[dict]) -> pd.DataFrame:
+    """One row per catalogued bug (``bug_catalog()``): its id, clause, field and PRs."""
+    return pd.DataFrame([{"bug": b["id"], "clause": b["clause"], "field": b["field"],
+                          "upstream": ", ".join(b["prs"])} for b in catalog])
+
+
 def bug_card(clause: int) -> str:
     """The July bugs of one clause from ``data/bugs.toml``: PRs, symptom, the flags that
     expose it, affected releases and how contract_lib replays it."""
