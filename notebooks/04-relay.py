@@ -75,6 +75,8 @@ mlx = contract_lib.run("mixed-chunk", "mlx")
 broken = contract_lib.run("mixed-chunk", "normal", patch="skip-relay-publish")
 for frames in (normal, mlx, broken):
     print(views.crash_summary(frames))
+mixed = mlx.launches[mlx.launches["mode"] == "mixed"]
+assert len(mixed) == 3 and mixed["rids"].str.contains("b").all()  # b's three chunks
 
 # %% [markdown]
 # ## Green: the torch loop publishes before every read
@@ -97,6 +99,7 @@ print(f"clause 4 on {views.run_label(mlx)}: {result.status}, {len(result.violati
 print(views.wrap(violation_message(result.first())))
 print()
 print(views.text_table(result.violations[["step", "launch", "rid", "actual"]]))
+assert result.violations["launch"].isin(mixed["launch"]).all()  # only the mixed batches
 
 # %% [markdown]
 # On Linux CPU the `torch.cat` does not crash, and the MLX decode lane takes its token from
