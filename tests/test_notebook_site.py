@@ -15,6 +15,7 @@ ROOT = site.PROJECT_ROOT
 def test_the_site_has_every_notebook_with_its_figures_and_no_broken_link(tmp_path):
     pages = site.build(tmp_path)
     assert site.broken_links(tmp_path) == []
+    assert site.broken_tables(tmp_path) == []
     index = (tmp_path / "index.html").read_text()
     notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
     for notebook in notebooks:
@@ -36,6 +37,15 @@ def test_a_broken_link_or_anchor_is_named(tmp_path):
                                          '<a href="docs/b.html">missing</a>'
                                          '<img src="https://example.org/x.png">')
     assert site.broken_links(tmp_path) == ["docs/a.html: #gone", "index.html: docs/b.html"]
+
+
+@pytest.mark.fast
+def test_a_table_with_an_unescaped_pipe_in_code_is_named(tmp_path):
+    page = tmp_path / "doc.html"
+    page.write_text(site._markdown()("| a | b |\n|---|---|\n| `x|y` | z |\n"))
+    assert site.broken_tables(tmp_path) == ["doc.html: | a | b |"]
+    page.write_text(site._markdown()("| a | b |\n|---|---|\n| `x\\|y` | z |\n"))
+    assert site.broken_tables(tmp_path) == []
 
 
 @pytest.mark.fast

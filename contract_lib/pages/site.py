@@ -5,7 +5,8 @@ link of the site resolves.
 The site keeps the checkout's layout (``notebooks/NN-name.html``, ``docs/name.html``,
 ``README.html``) so relative links stay valid once ``.md`` and ``.ipynb`` become
 ``.html``; a repository file a page links to is copied beside it. ``index.html`` lists
-the notebooks in reading order and the docs.
+the notebooks in reading order and the docs. A Markdown table that does not parse is
+named too.
 """
 
 from __future__ import annotations
@@ -141,15 +142,26 @@ def broken_links(out: Path) -> list[str]:
     return broken
 
 
+def broken_tables(out: Path) -> list[str]:
+    """``page: row`` of every Markdown table row rendered as a paragraph: the table did
+    not parse (most often a ``|`` inside a code span, which GitHub splits on too: write
+    ``\\|``)."""
+    return [f"{page.relative_to(out)}: {row[:80]}" for page in sorted(out.rglob("*.html"))
+            for row in re.findall(r"<p>(\|[^\n]*)", page.read_text())]
+
+
 def main(argv: list[str]) -> int:
     out = Path(argv[0]).resolve() if argv else DEFAULT_OUT
     pages = build(out)
     broken = broken_links(out)
     for line in broken:
         print(f"broken link: {line}")
+    tables = broken_tables(out)
+    for line in tables:
+        print(f"table not rendered: {line}")
     print(f"build-site: {len(pages)} pages in {out}; open {out / 'index.html'}",
           file=sys.stderr)
-    return 1 if broken else 0
+    return 1 if broken or tables else 0
 
 
 if __name__ == "__main__":
