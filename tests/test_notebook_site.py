@@ -1,4 +1,4 @@
-"""``scripts/build-site`` (:mod:`contract_lib.pages.site`): the executed notebooks and the
+"""``scripts/build-site`` (:mod:`contract_lib.pages.static_site`): the executed notebooks and the
 docs as static HTML, every local link resolving. Builds the whole site (~20-40 s)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from contract_lib.pages import site
+from contract_lib.pages import static_site as site
 
 ROOT = site.PROJECT_ROOT
 

@@ -10,5 +10,5 @@ the executed notebooks as a static site.
 - :mod:`.sglang_lines`: SGLang file:line references against the installed source;
 - :mod:`.project_paths`: the paths, modules and tests the docs name;
 - :mod:`.environment`: ``environment.yml`` from ``pyproject.toml``;
-- :mod:`.site`: ``scripts/build-site``, the notebooks and docs as static HTML.
+- :mod:`.static_site`: ``scripts/build-site``, the notebooks and docs as static HTML.
 """
