@@ -1,5 +1,6 @@
-"""``scripts/build-site`` (:mod:`contract_lib.pages.static_site`): the executed notebooks and the
-docs as static HTML, every local link resolving. Builds the whole site (~20-40 s)."""
+"""``scripts/build-site`` (:mod:`contract_lib.pages.static_site`): the executed notebooks
+and the docs as static HTML, every local link resolving and every table parsed. The
+first test builds the whole site (the notebooks tier)."""
 
 from __future__ import annotations
 
