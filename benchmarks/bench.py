@@ -223,7 +223,7 @@ def concurrent_memory(runs: int = 8) -> list[dict]:
                                workers=runs, progress=False)
             done.set()
             sampler.join()
-            servers = servers.statuses(Path(directory))
+            serving = servers.statuses(Path(directory))
         finally:
             servers.stop_all(Path(directory))
             if saved is None:
@@ -232,7 +232,7 @@ def concurrent_memory(runs: int = 8) -> list[dict]:
                 os.environ[pool.SERVER_DIR_ENV] = saved
     assert all(r.status == "finished" for r in results), results
     return [{"measure": f"warm servers serving {runs} concurrent API runs", "unit": "servers",
-             "value": len(servers)},
+             "value": len(serving)},
             {"measure": f"peak PSS of the server and its {runs} concurrent runs", "unit": "GB",
              "value": peak["pss"] / 1e9}]
 

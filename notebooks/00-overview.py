@@ -17,20 +17,71 @@
 # # The per-step contract of SGLang's scheduler loops: overview
 #
 # `Scheduler.run_batch` does two jobs: it runs the torch forward, **and** it does the
-# per-step bookkeeping that backend-neutral code reads: the radix cache, the watchdog,
+# per-step bookkeeping that code outside the model reads: the radix cache, the watchdog,
 # the profiler and the idle predicates. The MLX overlap loop
 # (`event_loop_overlap_mlx`, `hardware_backend/mlx/scheduler_mixin.py`) replaces the
-# forward and is meant to inherit the bookkeeping, but nothing enforces that. RFC #32833
-# writes the inheritance down as a five-clause **per-step contract**. In July, four bugs
-# broke four of the five clauses.
+# forward and is meant to inherit the bookkeeping, but nothing enforces that.
+# [RFC #32833](https://github.com/sgl-project/sglang/issues/32833) writes the inheritance
+# down as a five-clause **per-step contract**.
 #
 # This suite runs short workloads through the **real, installed SGLang 0.5.23** loops:
 # torch `normal` (`event_loop_normal`), torch `overlap` (`event_loop_overlap`) and `mlx`
 # (`event_loop_overlap_mlx`). Only the model forward is replaced, by a deterministic
-# next-token function. The suite records the scheduler's own state at every **step
-# boundary**: the entry of `Scheduler.ingest_requests` at the top of each loop
-# iteration. It then checks the clauses there. A failure names the clause and the field,
-# not a downstream symptom.
+# next-token function. At every step boundary (defined below) the suite records the
+# scheduler's own state and checks the clauses. A failure names the clause and the
+# field, not a downstream symptom.
+#
+# ## Words used in every notebook
+#
+# - **Loop**: one of SGLang's scheduler event loops. The torch loops `normal` and
+#   `overlap` are the **reference**: they must satisfy every clause. `mlx` is the loop
+#   under test.
+# - **Workload**: a short scripted list of requests (prompt tokens, tokens to generate,
+#   the loop iteration each arrives in) and server arguments (`data/workloads/*.toml`).
+# - **Step** and **step boundary**: a *step* is one iteration of the scheduler loop. Its
+#   *boundary* is its top, the entry of `Scheduler.ingest_requests`, before that
+#   iteration's requests arrive. The suite records the scheduler's state there and checks
+#   the clauses there: step `k` shows what iterations `0..k-1` left.
+# - **Frames**: what a run records, as pandas tables: `steps` (one row per step
+#   boundary), `launches` (one per launch), `requests` (one per request and step),
+#   `slots`, `relay` and more. `contract_lib.run(workload, loop)` returns them.
+# - **Launch**: one batch handed to the forward. A step can make zero, one or two.
+#   A **fresh** launch went through `get_next_batch_to_run` and `prepare_for_decode`,
+#   which allocate the next slot, write `req_to_token` and advance the counters. A
+#   **chained** launch (MLX only, `_launch_chained`) is a decode built directly on the
+#   previous launch's still-lazy output tokens, without that bookkeeping.
+# - **`kv_computed`**: the ground truth, recorded at the model boundary: how many
+#   positions of a request launched forwards have computed (or queued) KV for.
+# - **`kv_committed_len`**, **`kv_allocated_len`**, **`seq_lens`**: the scheduler's own
+#   counts of the same positions (committed to the request, allocated for it, in the
+#   batch). **`owned_kv_len()`** is what a finished request hands to the radix cache,
+#   bounded by `kv_committed_len`.
+# - **Radix (prefix) cache**: SGLang's tree of token prefixes whose KV is kept after a
+#   request finishes (`mem_cache/`). A later request whose prompt starts with a cached
+#   prefix reuses that KV (`cached_tokens`) instead of computing it again.
+# - **KV slot** and **request row**: the KV pool is an array of slots, one position's KV
+#   each. `req_to_token` is a table with one **row** per live request
+#   (`req_pool_idx`); entry `req_to_token[row, p]` names the slot holding position `p`'s
+#   KV. Slot 0 is padding and never holds real KV. A finished request's row is handed to
+#   the next request.
+# - **`cache_protected_len`**: the length of the prefix a request shares with the radix
+#   cache (its slots belong to the tree; clause 1 allows two requests the same slot there).
+# - **Extend / prefill / decode / mixed batch**: a *prefill* computes a prompt's KV; SGLang
+#   calls a prefill that continues a cached prefix an *extend* (the forward mode of both
+#   is `extend`). A *decode* computes one new position per request. A *mixed* batch
+#   (`--enable-mixed-chunk`) runs a prefill chunk and the running decodes together.
+# - **Relay**: `future_map.output_tokens_buf[row]`, where an overlap loop publishes a
+#   request's newest token so the next launch can read it before the previous one is
+#   processed (clause 4).
+# - **HRRN clock**: `Scheduler.processed_tokens_counter`, the number of tokens prefilled
+#   so far; the `hrrn` scheduling policy reads it to age waiting requests (clause 6).
+# - **Clause statuses**: `holds`; `violated`; **`violated-masked`** (clause 5: the
+#   predicate gave the right answer only because another of its terms did);
+#   **`not-exercised`** (the run never reached what the clause is about, e.g. nothing in
+#   flight on `normal`); **`not-present`** (the release has none of the clause's fields
+#   and nothing in it reads them); **`known upstream`** (violated exactly as a catalogued
+#   upstream bug of `data/bugs.toml` predicts, step by step: reported, not a failure
+#   unless `--strict-known`).
 #
 # ## The contract in a page
 #
@@ -52,52 +103,44 @@
 # per-request structures let go of released requests).
 #
 # `docs/contract.md` gives the exact check for each clause. Each check compares the
-# scheduler's fields with a ground truth recorded at the model boundary. The main one is
-# `kv_computed`: how many positions of a request a launched forward has computed.
+# scheduler's fields with a ground truth recorded at the model boundary, `kv_computed`
+# above all.
 #
-# ## Words used in every notebook
+# ## The bugs behind it
 #
-# - **Radix (prefix) cache**: SGLang's tree of token prefixes whose KV is kept after a
-#   request finishes (`mem_cache/`). A later request whose prompt starts with a cached
-#   prefix reuses that KV (`cached_tokens`) instead of computing it again.
-# - **KV slot** vs **request row**: the KV pool is an array of slots, one position's KV
-#   each. `req_to_token` is a table with one **row** per live request
-#   (`req_pool_idx`); entry `req_to_token[row, p]` names the slot holding position `p`'s
-#   KV. Slot 0 is padding and never holds real KV. A finished request's row is handed to
-#   the next request.
-# - **Extend / prefill / decode / mixed batch**: a *prefill* computes a prompt's KV; SGLang
-#   calls a prefill that continues a cached prefix an *extend* (the forward mode of both
-#   is `extend`). A *decode* computes one new position per request. A *mixed* batch
-#   (`--enable-mixed-chunk`) runs a prefill chunk and the running decodes together.
-# - **Launch** and **step**: a *launch* hands one batch to the forward; a *step* is one
-#   iteration of the scheduler loop, from one `ingest_requests` to the next, where the
-#   suite records the frames. A step can make zero, one or two launches (below).
-# - **Chained launch**: on the MLX loop, a decode built directly on the previous
-#   launch's still-lazy output tokens (`_launch_chained`), without going back through
-#   `get_next_batch_to_run` and `prepare_for_decode`. A **fresh** launch goes through them.
-# - **`kv_computed`**: ground truth recorded at the model boundary: how many positions
-#   of a request launched forwards have computed (or queued) KV for.
-# - **`kv_committed_len`**, **`kv_allocated_len`**, **`seq_lens`**: the scheduler's own
-#   counts of the same positions (committed to the request, allocated for it, in the
-#   batch). **`owned_kv_len()`** is what a finished request hands to the radix cache,
-#   bounded by `kv_committed_len`.
-# - **`cache_protected_len`**: the length of the prefix a request shares with the radix
-#   cache (its slots belong to the tree; clause 1 allows two requests the same slot there).
-# - **Relay row**: `future_map.output_tokens_buf[row]`, where an overlap loop publishes a
-#   request's newest token so the next launch can read it before the previous one is
-#   processed (clause 4).
+# The RFC counts four bugs in July 2026 that each hit a clause (a `TypeError` at startup,
+# silent cache loss, silent wrong output, a segfault behind a flag pair) and a fifth
+# clause that gives the right answer by accident. The suite replays the upstream bugs it
+# catalogues in `data/bugs.toml`, each against the clause and field it breaks:
 
 # %%
 # %matplotlib inline
 import contract_lib
 from contract_lib import views
-from contract_lib.contract import check
 from contract_lib.campaigns.history import history_cells
 from contract_lib.campaigns.saved_history import saved_status
 from contract_lib.campaigns.status import status
+from contract_lib.contract import check
+from contract_lib.patches.builtin import bug_catalog
 from contract_lib.sources.versions import release_spans
 
 views.setup()
+
+catalog = bug_catalog()
+print(views.text_table(views.catalog_table(catalog)))
+
+# %%
+upstream = [bug for bug in catalog if "found by this project" not in bug["prs"][0]]
+ours = [bug for bug in catalog if bug not in upstream]
+
+
+def clauses(bugs: list[dict]) -> str:
+    return ", ".join(map(str, sorted({bug["clause"] for bug in bugs})))
+
+
+views.md(f"`data/bugs.toml` holds **{len(catalog)}** bugs: **{len(upstream)}** of SGLang's "
+         f"history, against clauses {clauses(upstream)}, and **{len(ours)}** this project found, "
+         f"against clauses {clauses(ours)}. Each clause's notebook starts with its bugs' cards.")
 
 # %% [markdown]
 # ## Two loops, one workload
@@ -112,6 +155,7 @@ overlap = contract_lib.run("two-turn", "overlap")
 mlx = contract_lib.run("two-turn", "mlx")
 print(views.crash_summary(overlap))
 print(views.crash_summary(mlx))
+assert overlap.output_tokens() == mlx.output_tokens()
 print("same tokens on both loops:", overlap.output_tokens() == mlx.output_tokens())
 print(views.verdict_line(overlap))
 print(views.verdict_line(mlx))

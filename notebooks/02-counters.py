@@ -31,7 +31,8 @@
 #   the radix tree with `tree_cache.checkpoint(req, up_to=req.owned_kv_len())` (:431).
 #   `owned_kv_len()` (`managers/schedule_batch.py:1552`) is bounded by
 #   `kv_committed_len`.
-# - `check_decode_mem` (`managers/scheduler.py`) and retraction budget memory on them.
+# - `check_decode_mem` (`managers/schedule_batch.py:3432`, called by
+#   `prepare_for_decode`) and retraction budget memory on them.
 #
 # **What goes wrong when they lag.** The finished request is inserted into the radix tree
 # only up to the lagging bound, so the next turn of the conversation computes again what
@@ -125,19 +126,21 @@ reuse = views.radix_reuse_table(*runs, rid="a2").set_index("run")["cached_tokens
 torch_reuse, mlx_reuse, fixed_reuse = (int(reuse[views.run_label(f)])
                                        for f in (normal, mlx, fixed))
 a_mlx = mlx.requests.query("rid == 'a' and finished").iloc[0]
+computed, committed = int(a_mlx["kv_computed"]), int(a_mlx["kv_committed_len"])
 assert int(reuse[views.run_label(overlap)]) == torch_reuse == ideal
-assert mlx_reuse == int(a_mlx["kv_committed_len"])  # the lagging committed bound
+assert mlx_reuse == committed  # the lagging committed bound
+assert computed == ideal + 1 and fixed_reuse == computed  # the chain ran one step ahead
 views.md(
-    f"On MLX, `a2` reuses **{mlx_reuse}** tokens where the torch loops reuse "
-    f"**{torch_reuse}**. The {torch_reuse - mlx_reuse} chained positions of `a` were "
-    "computed but never committed, so `a2` computes them again. With the fix, MLX reuses "
-    f"**{fixed_reuse}**"
-    + (f" ({fixed_reuse - torch_reuse:+d} against the torch loops). The MLX chain had "
-       "already computed the KV of `a`'s last token (the lookahead step launched before "
-       "the finish was seen), and the fix committed it. This is the finish-during-chain "
-       "over-commit raised in #33874's review."
-       if fixed_reuse > torch_reuse else ".")
-    + " Whether SGLang's own pool conservation law (`InvariantChecker`) still balances:")
+    f"`a` finished on MLX with **{computed}** positions computed and **{committed}** "
+    f"committed (the counter figure above): **{computed - committed}** chained positions "
+    f"never committed. So `a2` reuses **{mlx_reuse}** tokens where the torch loops reuse "
+    f"**{torch_reuse}**, and computes the other **{torch_reuse - mlx_reuse}** again. The "
+    f"last of the {computed - committed} is the position of `a`'s last emitted token: the "
+    "MLX chain computed its KV one step ahead (the lookahead launch made before the finish "
+    f"was seen), which the torch loops never compute. With the fix MLX commits all "
+    f"{computed} and reuses **{fixed_reuse}** ({fixed_reuse - torch_reuse:+d} against the "
+    "torch loops): the finish-during-chain over-commit raised in #33874's review. Whether "
+    "SGLang's own pool conservation law (`InvariantChecker`) still balances:")
 
 # %%
 for frames in (mlx, fixed):

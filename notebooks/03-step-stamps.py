@@ -82,16 +82,21 @@ for frames in (normal, mlx, no_ct, no_ts):
 # %% [markdown]
 # ## Green: 0.5.23 stamps every launch, chained ones included
 #
-# The first launches of the shipped MLX loop. Launches 3-5 are chained, yet each one
-# advanced `forward_ct` by one, and the batch `process_batch_result` received carries
-# the matching `forward_iter` and a set `launch_ts`. `launch_ts` is shown as set / None
+# The first launches of the shipped MLX loop. The chained ones (column `chained`)
+# advanced `forward_ct` by one like the fresh ones, and the batch `process_batch_result`
+# received carries the matching `forward_iter` and a set `launch_ts`. `launch_ts` is shown as set / None
 # only, because it is a wall-clock value.
 
 # %%
 for frames in (normal, mlx):
     print(f"clause 3 on {views.run_label(frames)}: {check(frames).clauses[3].status}")
 print()
-print(views.text_table(views.stamps_table(mlx).head(6)))
+stamps = views.stamps_table(mlx)
+print(views.text_table(stamps.head(6)))
+assert stamps.head(6)["chained"].any()
+assert (stamps["forward_ct"] == stamps["expected_ct"]).all()
+assert (stamps["forward_iter"] == stamps["forward_ct"]).all()
+assert (stamps["launch_ts"] == "set").all()
 
 # %% [markdown]
 # ## Red, replay of #29217: the MLX launch without `forward_ct += 1`

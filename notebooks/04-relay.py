@@ -29,9 +29,9 @@
 # **Who reads it (SGLang 0.5.23).** `resolve_forward_inputs`
 # (`managers/overlap_utils.py:113`) reads it in two places:
 # - a decode batch without `input_ids` gathers `output_tokens_buf[req_pool_indices]`
-#   (:144);
+#   (`overlap_utils.py:144`);
 # - a **mixed** batch gathers `output_tokens_buf[mix_running_indices]` for its decode
-#   lanes (:131) and concatenates them after the prefill ids with `torch.cat`.
+#   lanes (`overlap_utils.py:131`) and concatenates them after the prefill ids with `torch.cat`.
 #
 # On MLX a pure decode batch never reaches the relay, because `_finalize_mlx_pending_job`
 # sets `input_ids` from the finished step. A mixed batch does reach it: with
@@ -75,6 +75,8 @@ mlx = contract_lib.run("mixed-chunk", "mlx")
 broken = contract_lib.run("mixed-chunk", "normal", patch="skip-relay-publish")
 for frames in (normal, mlx, broken):
     print(views.crash_summary(frames))
+mixed = mlx.launches[mlx.launches["mode"] == "mixed"]
+assert len(mixed) == 3 and mixed["rids"].str.contains("b").all()  # b's three chunks
 
 # %% [markdown]
 # ## Green: the torch loop publishes before every read
@@ -97,6 +99,7 @@ print(f"clause 4 on {views.run_label(mlx)}: {result.status}, {len(result.violati
 print(views.wrap(violation_message(result.first())))
 print()
 print(views.text_table(result.violations[["step", "launch", "rid", "actual"]]))
+assert result.violations["launch"].isin(mixed["launch"]).all()  # only the mixed batches
 
 # %% [markdown]
 # On Linux CPU the `torch.cat` does not crash, and the MLX decode lane takes its token from

@@ -34,8 +34,8 @@
 # **Who reads it.**
 # - `release_memory_occupation` (`managers/scheduler_components/weight_updater.py:337`)
 #   *asserts* it.
-# - `flush_cache` (:5520) resets both pools behind it.
-# - The health check (:2241), `on_idle` (:5254) and HiCache attach/detach (:5423, :5479)
+# - `flush_cache` (`managers/scheduler.py:5520`) resets both pools behind it.
+# - The health check (`managers/scheduler.py:2241`), `on_idle` (:5254) and HiCache attach/detach (:5423, :5479)
 #   also call it.
 #
 # **What goes wrong.** Nothing today. The MLX loop keeps `running_batch` / `last_batch`

@@ -70,7 +70,7 @@ print(views.beyond_rfc_text(result))
 # (`managers/scheduler.py:4633`). The `hrrn` schedule policy reads it as its clock: a
 # request snapshots it on arrival (`req.arrival_processed_tokens`, :3495), and its
 # priority grows with `processed_tokens - arrival_processed_tokens`
-# (`managers/schedule_policy.py:469-489`, fed at :4132). The frames record the counter
+# (`managers/schedule_policy.py:469-489`, fed at `managers/scheduler.py:4132`). The frames record the counter
 # at every step boundary; on `two-turn`:
 
 # %%
@@ -139,9 +139,9 @@ views.md(
 # (`managers/schedule_batch.py:3782-3783`). Readers:
 # - SWA eviction (`schedule_batch.py:4087`, `decode_batch_idx >= 1`).
 # - The SWA retain window, which releases a request's prefill SWA lock once
-#   `decode_batch_idx >= retain_window` (:4103).
+#   `decode_batch_idx >= retain_window` (`schedule_batch.py:4103`).
 # - Mamba state tracking, as the lookahead `req.decode_batch_idx -
-#   batch.mamba_decode_batch_idx_cpu[i]` (`batch_result_processor.py:1391, 1666`) and the
+#   batch.mamba_decode_batch_idx_cpu[i]` (`batch_result_processor.py:1391`, :1666) and the
 #   untracked-batch marker (:1413).
 #
 # On MLX chained decode it lags behind the real number of decode steps, exactly like
@@ -162,8 +162,8 @@ views.md(
 # workload on every loop, with the RFC's clauses and the extensions:
 
 # %%
-from contract_lib.contract import check
 from contract_lib.campaigns.status import status
+from contract_lib.contract import check
 
 extended = status(progress=False)
 print(extended.text())

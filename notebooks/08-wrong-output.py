@@ -45,9 +45,14 @@
 
 import contract_lib
 from contract_lib import views
-from contract_lib.contract import kv_damage
 from contract_lib.campaigns.status import releases_status
-from contract_lib.sources.tiny_model import CONFIG, reference_outputs, tiny_model_dir, weights_digest
+from contract_lib.contract import check, kv_damage
+from contract_lib.sources.tiny_model import (
+    CONFIG,
+    reference_outputs,
+    tiny_model_dir,
+    weights_digest,
+)
 
 views.setup()
 
@@ -102,6 +107,19 @@ views.slot_grid(old, shipped, fixed, rid="a", labels=[labels[0], labels[2], labe
 # - **0.5.23** syncs at release only, up to `owned_kv_len()` = 19: the chained positions
 #   19-27 are dropped (hatched). Their KV is lost, not misplaced.
 # - **0.5.23 + fix**: every position was recorded, and the release writes all of them.
+#
+# The positions and slots of this list are those of the runs, checked here:
+
+# %%
+syncs = old.kv_syncs.query("rid == 'a'").set_index(["step", "kind", "position"])["slot"]
+assert syncs[5, "flush"].to_dict() == {16: 29, 17: 0, 18: 0, 19: 0}
+recorded = views.slot_rows(old).query("rid == 'a' and state == 'recorded'")
+assert recorded.groupby("position")["slot"].last()[[17, 18]].tolist() == [41, 44]
+assert not old.kv_syncs.query("slot in (41, 44)")["rid"].eq("a").any()
+assert syncs[16, "flush"].to_dict() == dict(zip(range(20, 28), range(46, 54)))
+assert set(old.kv_syncs.query("step == 16 and rid == 'a'")["owner"]) == {"a2"}
+assert shipped.kv_syncs.query("rid == 'a' and kind == 'dropped'")["position"].tolist() == list(
+    range(19, 28))
 
 # %%
 views.kv_writes(old, shipped, fixed, rid="a", labels=[labels[0], labels[2], labels[3]])
@@ -137,15 +155,22 @@ views.md(f"On 0.5.21, `a2`'s radix hit covers **{a2_cached['0.5.21']}** position
 
 # %% [markdown]
 # On 0.5.21, as computed above, `a2`'s radix hit covers 19 positions. Two of them, 17
-# and 18, sit in slots
-# 41 and 44, which nothing ever wrote: the step-5 flush sent their KV to slot 0. `a2`'s
-# prefill attends over those zeros, so every position it computes from there on (19-31)
-# holds other KV than mlx-lm's. Its last position (32) is zero: 0.5.21 writes decode KV
+# and 18, sit in slots 41 and 44, which nothing ever wrote: the step-5 flush sent their
+# KV to slot 0. `a2`'s prefill attends over those zeros, so every position it computes
+# from there on (19-31) holds other KV than mlx-lm's. Its last position (32) is zero: 0.5.21 writes decode KV
 # only at the next extend launch or when the request leaves the batch, and neither
 # happened before the run ended. The overwrite of slots 46-53 at step 16 happened just
 # before `a2`'s own prefill wrote them again, so here it is masked. On 0.5.23 and with
-# the fix every matched slot is `ok`.
-#
+# the fix every matched slot is `ok`. Checked on the runs:
+
+# %%
+verdicts = pool_a2.set_index("position")["verdict"]
+assert a2_cached["0.5.21"] == 19 and verdicts[[17, 18]].eq("zero").all()
+assert pool_a2.set_index("position")["slot"][[17, 18]].tolist() == [41, 44]
+assert verdicts[19:31].eq("wrong").all() and verdicts[32] == "zero" and verdicts.index.max() == 32
+assert all((f.kv_pool.query("rid == 'a2'")["verdict"] == "ok").all() for f in (shipped, fixed))
+
+# %% [markdown]
 # ## The diverging tokens
 #
 # The same prompts through mlx-lm's greedy generation, then each run. A token that
@@ -154,11 +179,12 @@ views.md(f"On 0.5.21, `a2`'s radix hit covers **{a2_cached['0.5.21']}** position
 # %%
 print(views.text_table(views.token_table(*runs, reference=reference, labels=labels)))
 
-# %% [markdown]
 # %%
 reference_a2 = reference["a2"]
 old_a2 = old.output_tokens()["a2"]
 wrong_tokens = sum(x != y for x, y in zip(old_a2, reference_a2))
+assert old_a2[0] == reference_a2[0] and wrong_tokens == len(reference_a2) - 1
+assert old.status == "finished" and check(old).pool.empty  # no crash, no pool leak
 assert {rid for rid, tokens in reference.items() if old.output_tokens().get(rid) != tokens} == {"a2"}
 views.md(f"On 0.5.21, **{wrong_tokens} of {len(reference_a2)}** of `a2`'s tokens differ "
          "from mlx-lm's; every other request's tokens match.")
@@ -166,8 +192,9 @@ views.md(f"On 0.5.21, **{wrong_tokens} of {len(reference_a2)}** of `a2`'s tokens
 # %% [markdown]
 # `a`, `b` and `c` are right everywhere: each decodes from its own contiguous cache,
 # which the pool sync never touches. `a2` is the request that reads the pool, and on
-# 0.5.21 three of its four tokens are wrong. Nothing fails: no exception, no pool leak
-# (SGLang's conservation law balances), only different tokens. That is the "silent wrong
+# 0.5.21 its tokens after the first are wrong (counted above). Nothing fails: no
+# exception, no pool leak (SGLang's conservation law balances), only different tokens.
+# That is the "silent wrong
 # output" of #30093.
 #
 # The revert patch replays 0.5.21's run exactly on 0.5.23's code:
@@ -218,7 +245,8 @@ views.md(
 # The one workload with a radix hit on a reused row is `two-turn`. 0.5.22 clamped the
 # reader, which
 # turns the damage into the cache loss of clause 2 ([02-counters](02-counters.ipynb)):
-# `a2` reuses 19 positions instead of 27 and recomputes the rest. The writer side,
+# `a2` reuses only the committed prefix (the `cached_tokens` counted above) and
+# recomputes the rest. The writer side,
 # recording every chained position (#30093's allocation half, `fix-chained-accounting`),
 # is still open on 0.5.23; with it the clamp has nothing left to drop and `a2` reuses
 # everything `a` computed.

@@ -35,9 +35,9 @@ import pandas as pd
 
 import contract_lib
 from contract_lib import views
+from contract_lib.campaigns.search import Campaign, judge, search, to_toml, workload_size
 from contract_lib.contract import check
 from contract_lib.views.text import step_table
-from contract_lib.campaigns.search import Campaign, judge, search, to_toml, workload_size
 
 views.setup()
 
@@ -49,7 +49,7 @@ print(views.bug_card(4))
 # Seed 0, a budget of 100 generated examples, clause 4 only (the MLX loop as shipped also
 # violates clauses 1, 2 and 5 on almost any workload), and no example database, so the
 # notebook replays the same search every time. From the command line this is
-# `python -m contract_lib search --loop mlx --clause 4 --budget 100 --seed 0`.
+# `python -m contract_lib search --loop mlx --clause 4 --budget 100 --seed 0 --no-database`.
 
 # %%
 campaign = search(Campaign("mlx", clause=4, budget=100, seed=0, database=False))
@@ -91,6 +91,8 @@ print(steps.to_string())
 # %%
 print(to_toml(workload, []))
 print(finding.line)
+assert [len(r.prompt) for r in workload.requests] == [1, 1]
+assert workload.server_args == {"enable_mixed_chunk": True}
 
 # %% [markdown]
 # ## Its frames

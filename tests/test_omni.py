@@ -70,6 +70,30 @@ def test_the_lookahead_overrun_launch_is_resolved_and_dropped(run_cached):
             == launches.loc[launches["processed_step"].notna(), "forward_ct"]).all()
 
 
+@pytest.mark.parametrize("workload", ["two-turn", "memory-pressure"])
+def test_every_finish_overruns_and_only_a_launch_of_finished_requests_is_dropped(
+        run_cached, workload):
+    """Every finishing request is computed one position past its end (its final
+    ``kv_committed_len`` is one above the torch loop's), and the lookahead launch is
+    dropped exactly when every request it holds had finished at an earlier step: on
+    two-turn, ``b`` and ``c`` finish while ``a`` decodes, so only ``a``'s and ``a2``'s
+    overrun launches are dropped (docs/omni.md, section 5)."""
+    frames = run_cached(workload, "omni")
+    torch_frames = run_cached(workload, "normal", sglang=omni.OMNI_SGLANG)
+    last = frames.requests.sort_values("step").groupby("rid").last()
+    torch_last = torch_frames.requests.sort_values("step").groupby("rid").last()
+    assert ((last["kv_committed_len"] - torch_last["kv_committed_len"]) == 1).all()
+    finished = (frames.requests[frames.requests["finished"].astype(bool)]
+                .groupby("rid")["step"].min())
+    all_done = frames.launches.apply(lambda launch: all(
+        finished.get(rid, 1 << 30) <= launch["step"] + 1
+        for rid in launch["rids"].split(",")), axis=1)
+    assert (frames.launches["processed_step"].isna() == all_done).all()
+    if workload == "two-turn":
+        dropped = frames.launches[frames.launches["processed_step"].isna()]
+        assert list(dropped["rids"]) == ["a", "a2"]
+
+
 def test_omni_frames_are_deterministic_warm_or_cold():
     warm, cold = (contract_lib.run("staggered", "omni", cache=False, warm=w)
                   for w in (True, False))

@@ -336,13 +336,11 @@ def test_memory_pressure_and_extension_views(saved):
 def test_bug_cards_print_what_was_read_and_what_was_measured(clause):
     """Every catalogued bug of the clause, with its ``affected`` (read) and ``measured``
     fields from data/bugs.toml, each wrapped at 92 columns."""
-    import textwrap
-
     from contract_lib.patches.catalog import bug_catalog
 
     card = views.bug_card(clause)
     flat = " ".join(card.split())
     for bug in (b for b in bug_catalog() if b["clause"] == clause):
-        assert " ".join(textwrap.wrap(f"affected (read): {bug['affected']}", 92)) in flat
-        assert " ".join(textwrap.wrap(f"measured: {bug['measured']}", 92)) in flat
+        assert " ".join(f"affected (read): {bug['affected']}".split()) in flat
+        assert " ".join(f"measured: {bug['measured']}".split()) in flat
     assert max(len(line) for line in card.splitlines()[1:] if line.startswith("  ")) <= 92

@@ -15,6 +15,7 @@ import re
 import shlex
 from importlib import metadata
 from pathlib import Path
+from typing import Callable
 
 from contract_lib import loops
 from contract_lib.campaigns.regression import PytestRun, destination, render_test, run_test
@@ -32,6 +33,11 @@ SHOWN_SITES = 6  # writers and readers listed per field
 DETAILED_SITES = 40  # lines on the loop's path listed per field in a <details>
 OTHER = 9  # the rank of a line off the loop's path
 
+# Draws a clause's figure: (frames, report, *other frames, labels=...) -> a matplotlib
+# Figure or None; the caller passes :func:`contract_lib.views.triage.clause_view` (views sit
+# above campaigns, so a campaign takes its drawing rather than importing it).
+DrawClause = Callable[..., object]
+
 
 @dataclasses.dataclass
 class Written:
@@ -46,10 +52,10 @@ class Written:
         return self.lines
 
 
-def write_report(request: ReportRequest) -> Written:
+def write_report(request: ReportRequest, draw: DrawClause) -> Written:
     """Measure the finding (:func:`contract_lib.campaigns.upstream_report.measure`) and write the
-    report's files into ``request.out``."""
-    return write_files(measure(request))
+    report's files into ``request.out``, its figure drawn by ``draw``."""
+    return write_files(measure(request), draw)
 
 
 def slug_of(finding: Finding) -> str:
@@ -58,7 +64,7 @@ def slug_of(finding: Finding) -> str:
     return f"clause_{finding.clause}_{finding.request.loop}"
 
 
-def write_files(finding: Finding) -> Written:
+def write_files(finding: Finding, draw: DrawClause) -> Written:
     """Write every file of the report; the exit code is 0 when the clause is red and,
     with a fix, green with it (``compare`` and the test agree), else 1."""
     out = finding.request.out
@@ -71,7 +77,7 @@ def write_files(finding: Finding) -> Written:
     frames_files = [stable_frames(finding.frames, out / "frames" / f"{stem}.json")]
     if fixed is not None:
         frames_files.append(stable_frames(fixed, out / "frames" / f"{stem}.fixed.json"))
-    figure = _figure(finding, fixed, out / "figure.png")
+    figure = _figure(finding, fixed, out / "figure.png", draw)
     test = out / f"test_{slug}.py"
     others = sorted(n for n in check(fixed, strict_known=True).failing()
                     if n != finding.clause) if fixed is not None else []
@@ -107,16 +113,13 @@ def _title(finding: Finding) -> str:
             f"{finding.clause} ({CLAUSES[finding.clause]}) on {finding.request.loop}")
 
 
-def _figure(finding: Finding, fixed, path: Path) -> Path | None:
-    """The reported clause's own view (:func:`contract_lib.views.triage.clause_view`),
-    the run beside the fixed run."""
-    from contract_lib.views.triage import clause_view
-
+def _figure(finding: Finding, fixed, path: Path, draw: DrawClause) -> Path | None:
+    """The reported clause's own view, drawn by ``draw``: the run beside the fixed run."""
     only = dataclasses.replace(finding.report,
                                clauses={finding.clause: finding.result})
     version = finding.frames.meta["sglang_version"]
     runs, labels = ([fixed], [f"sglang {version} + fix.diff"]) if fixed is not None else ([], [])
-    figure = clause_view(finding.frames, only, *runs, labels=[f"sglang {version}", *labels])
+    figure = draw(finding.frames, only, *runs, labels=[f"sglang {version}", *labels])
     if figure is None:
         return None
     figure.savefig(path, dpi=90, metadata={"Software": None})
@@ -268,7 +271,7 @@ def _rank(site: Site, loop: str) -> int:
 
 def _releases(finding: Finding) -> list[str]:
     lines = ["### Releases affected", "",
-             f"The same check (`--strict-known`) on every supported release:", "",
+             "The same check (`--strict-known`) on every supported release:", "",
              f"| SGLang | clause {finding.clause} | first violation |", "|---|---|---|"]
     lines += [f"| {row.version} | {row.status} | {row.line} |" for row in finding.releases]
     return lines + [""]

@@ -28,11 +28,12 @@ def cmd_patch_export(args) -> int:
 def cmd_report(args) -> int:
     from contract_lib.campaigns.issue import write_report
     from contract_lib.campaigns.upstream_report import ReportRequest
+    from contract_lib.views.triage import clause_view
 
     request = ReportRequest(loop=args.loop, workload=args.workload, patch=args.patch,
                             fix=args.fix, fix_diff=args.fix_diff, shrink=args.shrink,
                             clause=args.clause, out=args.out, cache=not args.no_cache)
-    written = write_report(request)
+    written = write_report(request, draw=clause_view)
     for line in written.summary():
         print(line)
     return written.exit_code

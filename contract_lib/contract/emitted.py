@@ -311,6 +311,6 @@ def answered(frames: Frames) -> pd.DataFrame:
         "field": "finished_output", "step": bad["step"].astype("int64"), "rid": bad["rid"],
         "expected": "its end sent to the client", "actual": "never sent",
         "explanation": "the request ended (" + bad["finish_reason"].fillna("?").astype(str)
-                       + f") but stream_output never sent its final output "
+                       + ") but stream_output never sent its final output "
                        "(finished_output): the client waits for an answer that never "
                        "comes"})

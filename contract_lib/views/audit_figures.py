@@ -9,6 +9,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from contract_lib.views.style import (
+    CELL,
     GREEN,
     ORANGE,
     SALMON,
@@ -49,13 +50,13 @@ def audit_cadences(audit) -> Figure:
                                        getattr(record, loop).split()[0]]))
         ax.text(len(audited) + 0.1, row + 0.5,
                 "no clause" if record.clause == "-" else f"clause {record.clause}",
-                va="center", fontsize=8.5,
+                va="center", fontsize=CELL,
                 color=VERMILLION if record.clause == "-" else "#333333",
                 fontweight="bold" if record.clause == "-" else "normal")
     ax.set_xlim(0, len(audited) + 1.1)
     ax.set_ylim(len(table), 0)
     ax.set_xticks([i + 0.5 for i in range(len(audited))], audited)
-    ax.set_yticks([i + 0.5 for i in range(len(table))], table["field"], fontsize=8.5)
+    ax.set_yticks([i + 0.5 for i in range(len(table))], table["field"])
     ax.set_xlabel("loop")
     ax.set_ylabel("object.field")
     for side in ("top", "right"):

@@ -45,6 +45,18 @@ def text_table(table: pd.DataFrame) -> str:
                      + [line(row) for row in zip(*cells)])
 
 
+def catalog_table(catalog: list[dict]) -> pd.DataFrame:
+    """One row per catalogued bug (``bug_catalog()``): its id, clause, field and PRs."""
+    return pd.DataFrame([{"bug": b["id"], "clause": b["clause"], "field": b["field"],
+                          "upstream": ", ".join(b["prs"])} for b in catalog])
+
+
+def _card_lines(label: str, text: str) -> list[str]:
+    """``label: text`` wrapped at 92 columns, never inside a word or a hyphenated path."""
+    return textwrap.wrap(f"{label}: {text}", 92, subsequent_indent="  ",
+                         break_on_hyphens=False)
+
+
 def bug_card(clause: int) -> str:
     """The July bugs of one clause from ``data/bugs.toml``: PRs, symptom, the flags that
     expose it, the releases affected as read and as measured, and how contract_lib
@@ -58,12 +70,8 @@ def bug_card(clause: int) -> str:
         cards.append("\n".join([
             f"{bug['id']} (clause {bug['clause']}, field {bug['field']}): "
             f"{', '.join(bug['prs'])}",
-            *textwrap.wrap(f"symptom: {bug['symptom']}", 92, subsequent_indent="  "),
-            *textwrap.wrap(f"flags: {bug['flags']}", 92, subsequent_indent="  "),
-            *textwrap.wrap(f"affected (read): {bug['affected']}", 92,
-                           subsequent_indent="  "),
-            *textwrap.wrap(f"measured: {bug['measured']}", 92, subsequent_indent="  "),
-            *textwrap.wrap(f"replay: {bug['replay']}", 92, subsequent_indent="  "),
+            *(line for field in ("symptom", "flags", "affected (read)", "measured", "replay")
+              for line in _card_lines(field, bug[field.split(" ")[0]])),
         ]))
     return "\n\n".join(cards) or f"no catalogued bug for clause {clause}"
 

@@ -18,8 +18,10 @@ from contract_lib.frames import Frames
 from contract_lib.views.style import (
     BLACK,
     BLUE,
+    CELL,
     GREEN,
     GREY,
+    MAX_WIDTH,
     VERMILLION,
     int_ticks,
     labels_for,
@@ -28,6 +30,7 @@ from contract_lib.views.style import (
     post_steps,
     request_rows,
     titles,
+    ylabel,
 )
 from contract_lib.workloads import Workload, load_workload
 
@@ -86,18 +89,17 @@ def counter_drift(*runs: Frames, rid: str, labels: Sequence[str] | None = None,
             ax.axvline(end[x], color=GREY, linestyle="-.", linewidth=1)
             ax.text(0.97, 0.04, f"finished at step {int(end['step'])}:\ncommitted "
                     f"{int(end['kv_committed_len'])} of {int(end['kv_computed'])} computed",
-                    transform=ax.transAxes, ha="right", va="bottom", fontsize=8.5,
+                    transform=ax.transAxes, ha="right", va="bottom", fontsize=CELL,
                     bbox=dict(facecolor="white", edgecolor=GREY, alpha=0.9))
             summary.append(f"{name} commits {int(end['kv_committed_len'])} of "
                            f"{int(end['kv_computed'])}")
         lag = int((drawn["kv_computed"] - drawn["kv_committed_len"]).max()) if len(drawn) else 0
-        ax.set_title(f"{name}: request {rid}\nlargest lag behind kv_computed: {lag}",
-                     fontsize=10)
+        ax.set_title(f"{name}: request {rid}\nlargest lag behind kv_computed: {lag}")
         ax.set_xlabel(_X_AXES[x])
         int_ticks(ax, "x")
         int_ticks(ax, "y")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("positions (tokens)")
+    ylabel(axes, "positions (tokens)")
     handles = [Line2D([], [], label=label, **style) for _, label, style in COUNTER_STYLES]
     handles.append(Patch(facecolor=VERMILLION, alpha=0.15,
                          label="computed but not committed (lost to the radix tree)"))
@@ -169,7 +171,8 @@ def radix_reuse(*runs: Frames, rid: str = "a2", labels: Sequence[str] | None = N
                          f"reuse of {rid} to draw against; pass ideal=")
     ideal = int(table["ideal"].iloc[0])
     parent = table.attrs.get("parent")
-    fig = Figure(figsize=(max(6.5, 1.9 * len(table) + 2.5), 4.6), layout="constrained")
+    fig = Figure(figsize=(min(MAX_WIDTH, max(6.5, 1.9 * len(table) + 2.5)), 4.8),
+                 layout="constrained")
     ax = fig.subplots()
     cached = table["cached_tokens"].fillna(0).astype(int)
     colours = [GREY if pd.isna(c) else GREEN if c >= ideal else VERMILLION
@@ -177,12 +180,11 @@ def radix_reuse(*runs: Frames, rid: str = "a2", labels: Sequence[str] | None = N
     bars = ax.bar(table["run"], cached, color=colours, width=0.6)
     ax.bar_label(bars, labels=["never ran" if pd.isna(c) else f"{c} ({d:+d})" for c, d in
                                zip(table["cached_tokens"], table["difference"])],
-                 padding=2, fontsize=9)
+                 padding=2, fontsize=CELL)
     ax.axhline(ideal, color="black", linestyle="--", linewidth=1.2)
     ax.set_ylabel(f"cached_tokens of {rid} (prefix served by the radix tree)")
     ax.set_xlabel("run")
     ax.set_ylim(0, max(ideal, int(cached.max())) * 1.18)
-    ax.tick_params(axis="x", labelsize=8.5)
     whose = f"{parent}'s prompt + output - 1" if parent else "ideal"
     handles = [Line2D([], [], color="black", linestyle="--",
                       label=f"ideal: every position {parent or 'the parent'} computed "

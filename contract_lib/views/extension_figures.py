@@ -29,6 +29,7 @@ from contract_lib.views.style import (
     panels,
     post_steps,
     titles,
+    ylabel,
 )
 
 
@@ -58,11 +59,11 @@ def scheduling_clock(*runs: Frames, labels: Sequence[str] | None = None) -> Figu
         ax.step(x, y, where="post", color=BLUE, linewidth=1.6)
         end = int(table["processed_tokens_counter"].iloc[-1])
         ax.set_title(f"{name} ({frames.meta['workload']})\nclock {end}, prefilled "
-                     f"{int(table['prefilled'].sum())}", fontsize=10)
+                     f"{int(table['prefilled'].sum())}")
         count_axes(ax)
         view.summary.append(f"{name}: clock {end} for {int(table['prefilled'].sum())} "
                             "prefilled tokens")
-    view.axes[0][0].set_ylabel("tokens")
+    ylabel(view.axes, "tokens")
     legend(view.fig, [Line2D([], [], color=BLACK, linewidth=3, alpha=0.35,
                              label="tokens prefilled so far (ground truth)"),
                       Line2D([], [], color=BLUE, linewidth=1.6,
@@ -111,10 +112,9 @@ def retired_lanes(*runs: Frames, labels: Sequence[str] | None = None) -> Figure:
         ax.set_yticks(range(len(rids)), rids)
         ax.set_xlabel(STEP_LABEL)
         int_ticks(ax, "x")
-        ax.set_title(f"{name} ({frames.meta['workload']})\n{len(violations)} violations",
-                     fontsize=10)
+        ax.set_title(f"{name} ({frames.meta['workload']})\n{len(violations)} violations")
         view.summary.append(f"{name}: {len(violations)}")
-    view.axes[0][0].set_ylabel("request")
+    ylabel(view.axes, "request")
     legend(view.fig, [Patch(facecolor=c, edgecolor="#777777", label=l)
                       for _, l, c in _RETIRED], ncols=2)
     titles(view.fig, "Clause 7, request state retired: the backend's per-request state",
@@ -158,11 +158,11 @@ def memory_pressure(*runs: Frames, labels: Sequence[str] | None = None) -> Figur
         over = int((table["computed"] > table["pool"]).sum())
         ax.set_title(f"{name} ({frames.meta['workload']})\n"
                      f"{int(table['retractions'].iloc[-1])} retractions, computed above "
-                     f"the pool at {over} steps", fontsize=10)
+                     f"the pool at {over} steps")
         count_axes(ax)
         view.summary.append(f"{name}: {int(table['retractions'].iloc[-1])} retractions, "
                             f"peak computed {int(table['computed'].max())}")
-    view.axes[0][0].set_ylabel("positions (tokens) over the live requests")
+    ylabel(view.axes, "positions (tokens) over the live requests")
     legend(view.fig, [Line2D([], [], color=BLACK, linewidth=3, alpha=0.35,
                              label="computed (kv_computed, summed)"),
                       Line2D([], [], color=BLUE, linewidth=1.6,

@@ -13,6 +13,7 @@ from contract_lib.frames import Frames
 from contract_lib.views.style import (
     BLACK,
     BLUE,
+    CELL,
     LIGHT_GREEN,
     VERMILLION,
     int_ticks,
@@ -53,18 +54,18 @@ def idle_predicate(*runs: Frames, labels: Sequence[str] | None = None) -> Figure
                   interpolation="nearest", extent=(first - 0.5, last + 0.5, 2.5, -0.5))
         for i, q in enumerate(queue):
             if q:
-                ax.text(first + i, 0, str(q), ha="center", va="center", fontsize=8,
+                ax.text(first + i, 0, str(q), ha="center", va="center", fontsize=CELL,
                         color="white")
         for y in (0.5, 1.5):
             ax.axhline(y, color="white", linewidth=2)
         ax.set_yticks([0, 1, 2], ["result_queue\n(in flight)", "is_fully_idle()\nas called",
-                                  "is_fully_idle()\nother terms masked"], fontsize=8.5)
+                                  "is_fully_idle()\nother terms masked"])
         ax.set_xlabel("step (scheduler-loop iteration)")
         int_ticks(ax, "x")
         wrong = int(((queue > 0) & steps["idle_probe"].astype(bool).to_numpy()).sum())
         in_flight = int((queue > 0).sum())
         ax.set_title(f"{name} ({frames.meta['workload']})\nmasked probe idle at {wrong} of "
-                     f"{in_flight} in-flight steps", fontsize=10)
+                     f"{in_flight} in-flight steps")
         summary.append(f"{name}: {wrong}/{in_flight}")
     handles = [Patch(facecolor=c, edgecolor="#777777", label=l) for _, l, c in _IDLE_CELLS]
     legend(fig, handles, ncols=3)

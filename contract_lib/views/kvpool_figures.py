@@ -16,15 +16,18 @@ from contract_lib.views.style import (
     GREEN,
     LIGHT_GREEN,
     LIGHT_GREY,
+    MAX_WIDTH,
     PURPLE,
     SALMON,
     SKY,
+    SMALL_CELL,
     VERMILLION,
     int_ticks,
     labels_for,
     legend,
     panels,
     titles,
+    ylabel,
 )
 
 WRITE_TARGETS = {
@@ -71,11 +74,11 @@ def kv_writes(*runs: Frames, rid: str, labels: Sequence[str] | None = None) -> F
                                        facecolor=colours[target], edgecolor="white",
                                        linewidth=0.8, hatch="//" if kind == "dropped" else None))
                 ax.text(r.position, row, str(int(r.slot)), ha="center", va="center",
-                        fontsize=5.5, rotation=90, color="white" if bad else "#333333",
+                        fontsize=SMALL_CELL, rotation=90, color="white" if bad else "#333333",
                         fontweight="bold" if bad else "normal")
         ax.set_xlim(-0.5, int(syncs["position"].max()) + 0.5)
         ax.set_ylim(len(events) - 0.5, -0.5)
-        ax.set_yticks(range(len(events)), [f"step {s}: {k}" for s, k in events], fontsize=8)
+        ax.set_yticks(range(len(events)), [f"step {s}: {k}" for s, k in events])
         ax.set_xlabel("position p of the request")
         int_ticks(ax, "x")
         written = syncs[syncs["kind"] != "dropped"]
@@ -86,10 +89,10 @@ def kv_writes(*runs: Frames, rid: str, labels: Sequence[str] | None = None) -> F
                                                   "owner"].dropna())))
         ax.set_title(f"{name}: request {rid}\n{into_zero} into slot 0, {into_other} into "
                      f"another live request{f' ({owners})' if owners else ''}, "
-                     f"{dropped} dropped", fontsize=10)
+                     f"{dropped} dropped")
         summary.append(f"{name}: {into_zero} into slot 0, {into_other} into another live "
                        "request")
-    axes[0][0].set_ylabel("write (step: kind)")
+    ylabel(axes, "write (step: kind)")
     legend(fig, [Patch(facecolor=colours[t], edgecolor="#777777",
                         hatch="//" if t == "dropped" else None, label=WRITE_TARGETS[t][0])
                   for t in WRITE_TARGETS if t in used or t in ("own", "slot 0")], ncols=3)
@@ -107,7 +110,7 @@ def kv_pool_verdicts(*runs: Frames, rid: str = "a2", labels: Sequence[str] | Non
     (``kv_pool``), labelled with the slot id; the request's ``cached_tokens`` (the
     prefix its prefill read from the pool) marked."""
     names = labels_for(runs, labels)
-    fig = Figure(figsize=(11, 1.7 + 0.75 * len(runs)), layout="constrained")
+    fig = Figure(figsize=(MAX_WIDTH, 2.2 + 0.8 * len(runs)), layout="constrained")
     ax = fig.subplots()
     summary = []
     width = 0
@@ -117,7 +120,7 @@ def kv_pool_verdicts(*runs: Frames, rid: str = "a2", labels: Sequence[str] | Non
             ax.add_patch(Rectangle((r.position - 0.5, row - 0.4), 1, 0.8, edgecolor="white",
                                    facecolor=VERDICT_COLOURS[r.verdict][1], linewidth=0.8))
             ax.text(r.position, row, str(int(r.slot)), ha="center", va="center",
-                    fontsize=6, rotation=90,
+                    fontsize=SMALL_CELL, rotation=90,
                     color="#333333" if r.verdict == "ok" else "white")
         width = max(width, len(pool))
         seen = frames.requests[frames.requests["rid"] == rid]
@@ -130,7 +133,7 @@ def kv_pool_verdicts(*runs: Frames, rid: str = "a2", labels: Sequence[str] | Non
                                                for v in VERDICT_COLOURS))
     ax.set_xlim(-0.5, max(width, 1) - 0.5)
     ax.set_ylim(len(runs) - 0.5, -0.5)
-    ax.set_yticks(range(len(runs)), names, fontsize=9)
+    ax.set_yticks(range(len(runs)), names)
     ax.set_xlabel(f"position p of request {rid}'s tokens (prompt + output)")
     int_ticks(ax, "x")
     handles = [Patch(facecolor=c, label=label) for label, c in VERDICT_COLOURS.values()]

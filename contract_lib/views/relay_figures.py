@@ -11,6 +11,7 @@ from matplotlib.patches import Patch
 from contract_lib.frames import Frames
 from contract_lib.views.style import (
     BLUE,
+    CELL,
     GREEN,
     VERMILLION,
     YELLOW,
@@ -18,6 +19,7 @@ from contract_lib.views.style import (
     legend,
     panels,
     titles,
+    ylabel,
 )
 
 
@@ -55,7 +57,7 @@ def relay_events(*runs: Frames, labels: Sequence[str] | None = None) -> Figure:
             ax.plot(frame["step"] + dx, frame["row"], linestyle="none", **styles[key])
         for r in reads[~ok].itertuples(index=False):
             ax.annotate(str(int(r.value)), (r.step - 0.18, r.row), xytext=(0, 7),
-                        textcoords="offset points", ha="center", fontsize=7.5,
+                        textcoords="offset points", ha="center", fontsize=CELL,
                         color=VERMILLION)
         if rows:
             ax.set_yticks(rows, [f"row {row} ({', '.join(owners.get(row, ['?']))})"
@@ -67,9 +69,9 @@ def relay_events(*runs: Frames, labels: Sequence[str] | None = None) -> Figure:
         ax.grid(axis="x", alpha=0.2)
         bad = int((~ok).sum())
         ax.set_title(f"{name} ({frames.meta['workload']})\n{len(writes)} writes, "
-                     f"{len(reads)} reads, {bad} unpublished", fontsize=10)
+                     f"{len(reads)} reads, {bad} unpublished")
         summary.append(f"{name}: {bad} of {len(reads)} reads unpublished")
-    axes[0][0].set_ylabel("relay row (request holding it)")
+    ylabel(axes, "relay row (request holding it)")
     handles = [Line2D([], [], linestyle="none", label="write (FutureMap.stash after a "
                                                         "forward)", **styles["write"]),
                Line2D([], [], linestyle="none", label="read by resolve_forward_inputs: the "

@@ -17,10 +17,12 @@ from contract_lib.views.style import (
     BLACK,
     BLUE,
     BROWN,
+    CELL,
     LIGHT_GREEN,
     LIGHT_GREY,
     PURPLE,
     SALMON,
+    SMALL_CELL,
     VERMILLION,
     int_ticks,
     legend,
@@ -28,6 +30,7 @@ from contract_lib.views.style import (
     post_steps,
     request_rows,
     titles,
+    ylabel,
 )
 
 SLOT_COLOURS = {
@@ -68,7 +71,7 @@ def slot_grid(*runs: Frames, rid: str, labels: Sequence[str] | None = None,
     (``annotate="bad"``), in every cell (``"all"``, legible for short runs) or none."""
     if annotate not in ("bad", "all", "none"):
         raise ValueError(f"annotate must be 'bad', 'all' or 'none', not {annotate!r}")
-    view = panels(runs, labels, panel_width=5.6, height=5.4)
+    view = panels(runs, labels, panel_width=5.6, height=6.4)
     fig, axes, summary = view.fig, view.axes, view.summary
     cmap = ListedColormap([colour for _, colour in SLOT_COLOURS.values()])
     for ax, frames, name in view:
@@ -88,7 +91,7 @@ def slot_grid(*runs: Frames, rid: str, labels: Sequence[str] | None = None,
             bad = grid[pos, col] in bad_codes
             if label and (annotate == "all" or (annotate == "bad" and bad)):
                 ax.text(steps[col], pos, label, ha="center", va="center",
-                        fontsize=7 if bad else 5.5, color="white" if bad else "#333333",
+                        fontsize=CELL if bad else SMALL_CELL, color="white" if bad else "#333333",
                         fontweight="bold" if bad else "normal")
         rows = request_rows(frames, rid)
         live = rows[live_mask(rows) & rows["step"].isin(steps)]
@@ -101,12 +104,12 @@ def slot_grid(*runs: Frames, rid: str, labels: Sequence[str] | None = None,
         checked = int((states["state"] != "not computed").sum())
         row_ids = ", ".join(str(int(r)) for r in dict.fromkeys(states["req_pool_idx"]))
         ax.set_title(f"{name}: request {rid} (row {row_ids})\n{len(bad)} of {checked} "
-                     "computed entries unrecorded", fontsize=10)
+                     "computed entries unrecorded")
         ax.set_xlabel("step (scheduler-loop iteration)")
         int_ticks(ax, "x")
         int_ticks(ax, "y")
         summary.append(f"{name}: {len(bad)} unrecorded")
-    axes[0][0].set_ylabel("position p (column of req_to_token[row, p])")
+    ylabel(axes, "position p (column of req_to_token[row, p])")
     handles = [Patch(facecolor=c, edgecolor="#777777", label=l)
                for l, c in SLOT_COLOURS.values()]
     handles += [Line2D([], [], color=BLACK, linewidth=2.0,

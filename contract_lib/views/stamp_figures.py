@@ -14,6 +14,7 @@ from contract_lib.frames import Frames
 from contract_lib.views.style import (
     BLACK,
     BLUE,
+    CELL,
     GREEN,
     GREY,
     VERMILLION,
@@ -75,7 +76,7 @@ def step_stamps(*runs: Frames, labels: Sequence[str] | None = None) -> Figure:
         ax.plot(received["launch"], received["forward_iter"].astype(float), "x",
                 color=BLUE, markersize=9, markeredgewidth=1.5)
         status = frames.status
-        ax.set_title(f"{name}\n{len(table)} launches, run {status}", fontsize=10)
+        ax.set_title(f"{name}\n{len(table)} launches, run {status}")
         top = max(int(table["expected_ct"].max()), int(table["forward_ct"].max()))
         ax.set_ylim(-0.6, top + 1)
         ax.set_xlim(0.5, len(table) + 0.5)
@@ -94,7 +95,7 @@ def step_stamps(*runs: Frames, labels: Sequence[str] | None = None) -> Figure:
         if frames.error:
             ax.text(0.02, 0.97, f"{frames.error['type']}: "
                     + textwrap.shorten(frames.error["message"], 60), transform=ax.transAxes,
-                    va="top", fontsize=8, color=VERMILLION)
+                    va="top", fontsize=CELL, color=VERMILLION)
         moved = bool((table["forward_ct"] == table["expected_ct"]).all())
         ts_none = int((table["launch_ts"] == "None").sum())
         summary.append(f"{name}: forward_ct {'advances' if moved else 'does not advance'}"

@@ -19,7 +19,10 @@ BLACK      ground truth recorded at the model boundary (``kv_computed``, in flig
 GREY       not checked / not applicable / never processed
 ========== =========================================================================
 
-Every figure is built without pyplot (no global state, Agg-compatible).
+Every figure is built without pyplot (no global state, Agg-compatible), at most
+:data:`MAX_WIDTH` inches wide (about a notebook's output width at 100 dpi, so nothing is
+scaled down): runs that do not fit side by side get one row each, and :func:`titles`
+sets every text to the sizes below, legible at that width.
 """
 
 from __future__ import annotations
@@ -40,6 +43,11 @@ YELLOW, BLACK, GREY = "#F0E442", "#000000", "#999999"
 LIGHT_GREEN, LIGHT_GREY, LIGHT_SKY = "#CFE8CF", "#E6E6E6", "#D6E9F5"
 
 STEP_LABEL = "step (scheduler-loop iteration)"
+MAX_WIDTH = 10.0  # inches
+# Font sizes (points) at MAX_WIDTH: the figure title, its subtitle, a panel's title,
+# axis labels, tick labels and legends, and text written inside a plot (cell labels).
+TITLE, SUBTITLE, PANEL_TITLE, LABEL, TICK, LEGEND = 14, 11, 12, 11, 10.5, 10.5
+CELL, SMALL_CELL = 9.5, 8
 
 
 def run_label(frames: Frames) -> str:
@@ -67,32 +75,65 @@ def wrap(text: str, width: int = 100, indent: str = "  ") -> str:
                      for line in text.splitlines() or [""])
 
 
-def figure(n_panels: int, *, panel_width: float = 5.2, height: float = 4.2,
+def figure(n_panels: int, *, panel_width: float = 5.0, height: float = 4.2,
            rows: int = 1, height_ratios: Sequence[float] | None = None,
            sharey: bool = False):
-    """A constrained-layout figure with ``rows x n_panels`` axes, room left at the top
-    for a title and a subtitle (see :func:`titles`)."""
-    fig = Figure(figsize=(max(panel_width * n_panels, 6.5), height), layout="constrained")
-    axes = fig.subplots(rows, n_panels, squeeze=False, sharey=sharey,
-                        gridspec_kw={"height_ratios": height_ratios} if height_ratios else None)
-    return fig, axes
+    """A constrained-layout figure with ``rows`` axes per panel and ``n_panels`` panels,
+    room left at the top for a title and a subtitle (see :func:`titles`). Panels sit side
+    by side when they fit in :data:`MAX_WIDTH`, else one per row, full width. Either way
+    ``axes[row][panel]``: the ``row``-th axes of panel ``panel``."""
+    side_by_side = n_panels * panel_width <= MAX_WIDTH * 1.05
+    ratios = list(height_ratios or [1] * rows)
+    if side_by_side:
+        fig = Figure(figsize=(max(panel_width * n_panels, 6.5), height), layout="constrained")
+        grid = fig.subplots(rows, n_panels, squeeze=False, sharey=sharey,
+                            gridspec_kw={"height_ratios": ratios})
+        return fig, [list(row) for row in grid]
+    fig = Figure(figsize=(MAX_WIDTH, 1.6 + n_panels * (height - 1.2)), layout="constrained")
+    grid = fig.subplots(rows * n_panels, 1, squeeze=False, sharey=sharey,
+                        gridspec_kw={"height_ratios": ratios * n_panels})
+    return fig, [[grid[panel * rows + row][0] for panel in range(n_panels)]
+                 for row in range(rows)]
+
+
+def ylabel(axes: list, text: str, row: int = 0) -> None:
+    """``text`` as the y label of row ``row``'s first-column axes (every run's when the
+    panels are stacked)."""
+    for ax in axes[row]:
+        if ax.get_subplotspec().is_first_col():
+            ax.set_ylabel(text)
+
+
+def _sizes(fig: Figure) -> None:
+    """Every panel title, axis label and tick label at the suite's sizes."""
+    for ax in fig.axes:
+        ax.title.set_fontsize(PANEL_TITLE)
+        ax.xaxis.label.set_fontsize(LABEL)
+        ax.yaxis.label.set_fontsize(LABEL)
+        ax.tick_params(labelsize=TICK)
 
 
 def titles(fig: Figure, title: str, subtitle: str) -> None:
-    """Title (bold) and a subtitle saying what the reader should see, above the panels."""
+    """Title (bold) and a subtitle saying what the reader should see, above the panels;
+    every text of the figure set to the suite's sizes."""
+    _sizes(fig)
     width, height = fig.get_size_inches()
-    lines = textwrap.wrap(subtitle, width=int(width * 11.5)) or [""]
-    fig.text(0.5, 1 - 0.08 / height, title, ha="center", va="top", fontsize=12.5,
+    lines = textwrap.wrap(subtitle, width=int(width * 10.5)) or [""]
+    fig.text(0.5, 1 - 0.08 / height, title, ha="center", va="top", fontsize=TITLE,
              fontweight="bold")
-    fig.text(0.5, 1 - 0.36 / height, "\n".join(lines), ha="center", va="top", fontsize=9.5,
-             style="italic", color="#333333")
-    top = 1 - (0.5 + 0.17 * len(lines)) / height
+    fig.text(0.5, 1 - 0.40 / height, "\n".join(lines), ha="center", va="top",
+             fontsize=SUBTITLE, style="italic", color="#333333")
+    top = 1 - (0.58 + 0.19 * len(lines)) / height
     fig.get_layout_engine().set(rect=(0, 0, 1, top))
 
 
 def legend(fig: Figure, handles: list, ncols: int | None = None) -> None:
-    fig.legend(handles=handles, loc="outside lower center", frameon=False, fontsize=8.5,
-               ncols=ncols or min(len(handles), 4))
+    """The figure's legend below the panels, in as many columns (at most ``ncols``) as
+    its longest label lets fit in the figure's width."""
+    longest = max(len(h.get_label()) for h in handles) * LEGEND * 0.55 / 72 + 0.7
+    fit = max(1, int(fig.get_size_inches()[0] // longest))
+    fig.legend(handles=handles, loc="outside lower center", frameon=False, fontsize=LEGEND,
+               ncols=min(ncols or 3, fit, len(handles)))
 
 
 def int_ticks(ax, axis: str = "x") -> None:
@@ -136,8 +177,8 @@ def no_frames(ax, frames: Frames, name: str, summary: list[str]) -> bool:
     if frames.error:
         reason += f":\n{frames.error['type']}: {textwrap.shorten(frames.error['message'], 50)}"
     ax.text(0.5, 0.5, f"no frames recorded\n({reason})", ha="center", va="center",
-            transform=ax.transAxes, color=VERMILLION, fontsize=9)
-    ax.set_title(name, fontsize=10)
+            transform=ax.transAxes, color=VERMILLION, fontsize=CELL)
+    ax.set_title(name)
     ax.set_xlabel(STEP_LABEL)
     summary.append(f"{name}: no frames")
     return True

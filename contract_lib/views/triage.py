@@ -16,6 +16,9 @@ from contract_lib.views.counter_figures import COUNTER_STYLES
 from contract_lib.views.slot_figures import SLOT_COLOURS, slot_rows
 from contract_lib.views.style import (
     GREY,
+    LEGEND,
+    MAX_WIDTH,
+    SMALL_CELL,
     int_ticks,
     post_steps,
     request_rows,
@@ -150,14 +153,14 @@ def step_figure(frames: Frames, step: int, rid: str | None) -> Figure:
     ``req_to_token`` row at that step coloured by clause-1 state; a note for ``rid``
     None (a run that stopped before the scheduler knew any request, :func:`triage_focus`),
     a ValueError naming the known ones for a request not in the run."""
-    fig = Figure(figsize=(11, 4.6), layout="constrained")
+    fig = Figure(figsize=(MAX_WIDTH, 8.4), layout="constrained")
     if rid is None:
         ax = fig.subplots()
         ax.text(0.5, 0.5, f"{run_label(frames)}: no request known to the scheduler",
                 ha="center", va="center", transform=ax.transAxes)
         ax.set_axis_off()
         return fig
-    left, right = fig.subplots(1, 2, width_ratios=(1, 1.3))
+    left, right = fig.subplots(2, 1, height_ratios=(1.3, 1))
     rows = request_rows(frames, rid)
     live = rows[live_mask(rows)]
     for column, label, style in COUNTER_STYLES:
@@ -166,9 +169,8 @@ def step_figure(frames: Frames, step: int, rid: str | None) -> Figure:
     left.axvline(step, color=GREY, linestyle="-.", linewidth=1.5, label=f"step {step}")
     left.set_xlabel("step")
     left.set_ylabel("positions (tokens)")
-    left.set_title(f"counters of {rid}", fontsize=10)
-    left.legend(fontsize=7.5, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=2,
-                frameon=False)
+    left.set_title(f"counters of {rid}")
+    left.legend(fontsize=LEGEND, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     int_ticks(left, "x")
     states = slot_rows(frames)
     states = states[(states["step"] == step) & (states["rid"] == rid)]
@@ -182,18 +184,18 @@ def step_figure(frames: Frames, step: int, rid: str | None) -> Figure:
                   edgecolor="white")
         for r in states.itertuples(index=False):
             right.text(r.position, 0.5, str(int(r.slot)), rotation=90, ha="center",
-                       va="center", fontsize=7)
+                       va="center", fontsize=SMALL_CELL)
         right.set_yticks([])
         right.set_xlabel("position p")
         int_ticks(right, "x")
         right.set_title(f"req_to_token[row {int(states['req_pool_idx'].iloc[0])}, p] at "
-                        f"step {step} (slot ids)", fontsize=10)
+                        f"step {step} (slot ids)")
         present = list(dict.fromkeys(states["state"]))
         right.legend(handles=[Patch(facecolor=SLOT_COLOURS[s][1], label=SLOT_COLOURS[s][0])
-                              for s in present], fontsize=7.5, loc="upper center",
-                     bbox_to_anchor=(0.5, -0.22), ncols=2, frameon=False)
+                              for s in present], fontsize=LEGEND, loc="upper left",
+                     bbox_to_anchor=(1.01, 1), frameon=False)
     titles(fig, f"{run_label(frames)}: request {rid} at step {step}",
-           "Left: the counters must sit on the grey kv_computed line. Right: every "
+           "Top: the counters must sit on the grey kv_computed line. Bottom: every "
            "computed position must hold a real slot.")
     return fig
 
