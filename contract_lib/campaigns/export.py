@@ -236,7 +236,12 @@ def main(argv: list[str] | None = None) -> None:
     root = Path(sglang.__file__).resolve().parent.parent
     recorder = Recorder(root)
     before = _snapshot()
-    source_patch.patch_source = patches.patch_source = recorder
+    # Every patch module that bound patch_source by name (builtin, disagg_bugs, ...)
+    # records too; a user patch module imported later picks up the recorder itself.
+    original = source_patch.patch_source
+    for module in [m for n, m in sys.modules.items() if n.startswith("contract_lib.patches")]:
+        if getattr(module, "patch_source", None) is original:
+            module.patch_source = recorder
     record: dict[str, Any] = {"root": str(root), "edits": [], "other": []}
     try:
         patches.apply_patch(spec)

@@ -10,6 +10,7 @@ from typing import Iterator
 
 from contract_lib.paths import PROJECT_ROOT
 
+
 def doc_files(root: Path = PROJECT_ROOT) -> list[Path]:
     """README.md and docs/*.md, the Markdown a reader opens."""
     return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
