@@ -121,7 +121,7 @@ from contract_lib.campaigns.history import history_cells
 from contract_lib.campaigns.saved_history import saved_status
 from contract_lib.campaigns.status import status
 from contract_lib.contract import check
-from contract_lib.patches.builtin import bug_catalog
+from contract_lib.patches.catalog import bug_catalog
 from contract_lib.sources.versions import release_spans
 
 views.setup()
