@@ -10,7 +10,7 @@ import re
 import pytest
 
 from contract_lib.pages import docs_check, markers, prose, sglang_lines
-from contract_lib.pages.registry import generate
+from contract_lib.pages.generators import generate
 
 
 @pytest.mark.fast

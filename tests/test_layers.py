@@ -99,3 +99,23 @@ def test_the_check_sees_an_import_running_up_or_across():
     harness = "from ..child import main\n"
     assert wrong_imports("contract_lib.runs.harness", harness) == [
         "contract_lib.runs.harness:1: runs (floor 5) imports contract_lib.child (floor 5)"]
+
+
+def twice_named(paths: list[Path]) -> dict[str, list[str]]:
+    """Module file names (``__init__`` and ``__main__`` aside) that occur in two rooms."""
+    rooms: dict[str, list[str]] = {}
+    for path in paths:
+        if path.stem not in ("__init__", "__main__"):
+            rooms.setdefault(path.name, []).append(module_of(path))
+    return {name: sorted(where) for name, where in rooms.items() if len(where) > 1}
+
+
+def test_a_file_name_says_which_module_it_is():
+    """At most 12 modules at the top level, and no file name twice in the package (a
+    reader who sees ``report.py`` knows which report); the check names a twin it sees."""
+    paths = sorted(PACKAGE_DIR.rglob("*.py"))
+    assert len([p for p in paths if p.parent == PACKAGE_DIR]) <= 12
+    assert twice_named(paths) == {}
+    twin = PACKAGE_DIR / "pages" / "frames.py"
+    assert twice_named(paths + [twin]) == {
+        "frames.py": ["contract_lib.frames", "contract_lib.pages.frames"]}

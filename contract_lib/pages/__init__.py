@@ -4,7 +4,7 @@ the executed notebooks as a static site.
 
 - :mod:`.docs_check`: ``scripts/check-docs``, every check below;
 - :mod:`.markers`: generated blocks between markers, with a digest of their text;
-- :mod:`.registry`: the generators by name; :mod:`.file_blocks` (committed files, the
+- :mod:`.generators`: the generators by name; :mod:`.file_blocks` (committed files, the
   test suite) and :mod:`.run_blocks` (runs of SGLang's loops) register them;
 - :mod:`.prose`: which files, and where their prose is;
 - :mod:`.sglang_lines`: SGLang file:line references against the installed source;

@@ -5,7 +5,7 @@ Over README.md, docs/*.md and the notebooks' Markdown it checks (``--write`` fix
 command can fix, then checks again):
 
 1. each generated block (:mod:`.markers`): its text still has its digest (else it was
-   edited by hand), and its generator (:mod:`.registry`), run again, writes the same
+   edited by hand), and its generator (:mod:`.generators`), run again, writes the same
    text (else it is stale); ``--needs`` caps which generators run;
 2. each SGLang file:line reference still holds its code (:mod:`.sglang_lines`);
 3. each path, module and test named exists (:mod:`.project_paths`);
@@ -30,7 +30,7 @@ from contract_lib.pages import (  # noqa: F401  (they register)
     sglang_lines,
 )
 from contract_lib.pages.markers import Block, MarkerError, blocks, replace
-from contract_lib.pages.registry import NEEDS, generate, generator_of
+from contract_lib.pages.generators import NEEDS, generate, generator_of
 from contract_lib.paths import PROJECT_ROOT
 
 

@@ -8,7 +8,7 @@ import re
 import subprocess
 import sys
 
-from contract_lib.pages.registry import generator
+from contract_lib.pages.generators import generator
 from contract_lib.paths import PROJECT_ROOT
 
 FIXTURES = PROJECT_ROOT / "tests" / "fixtures"

@@ -7,7 +7,7 @@ reproduces it where a command exists.
 
 from __future__ import annotations
 
-from contract_lib.pages.registry import generator, md_table
+from contract_lib.pages.generators import generator, md_table
 
 
 def _runs(names: str, workload: str):
