@@ -3,7 +3,7 @@ as static HTML, for reviewers who will not run Jupyter; and the check that every
 link of the site resolves.
 
 The site keeps the checkout's layout (``notebooks/NN-name.html``, ``docs/name.html``,
-``README.html``) so relative links stay valid once ``.md`` and ``.ipynb`` become
+``docs/findings/name/issue.html``, ``README.html``) so relative links stay valid once ``.md`` and ``.ipynb`` become
 ``.html``; a repository file a page links to is copied beside it. ``index.html`` lists
 the notebooks in reading order and the docs. A Markdown table that does not parse is
 named too.
@@ -95,7 +95,7 @@ def build(out: Path = DEFAULT_OUT, root: Path = PROJECT_ROOT) -> list[Path]:
         relative = notebook.relative_to(root).with_suffix(".html")
         body, _ = exporter.from_filename(str(notebook))
         pages.append(_write(out / relative, _relink(body, relative, out, root)))
-    docs = [root / "README.md", *sorted((root / "docs").glob("*.md")),
+    docs = [root / "README.md", *sorted((root / "docs").rglob("*.md")),
             *sorted((root / "benchmarks").glob("*.md"))]
     for doc in docs:
         relative = doc.relative_to(root).with_suffix(".html")
