@@ -81,7 +81,7 @@ def test_a_diff_applies_to_a_hard_linked_scratch_copy_reused_by_digest(diffs_dir
 
 def test_concurrent_builds_of_one_copy_all_get_it(diffs_dir):
     """Processes building the same scratch copy at once: one builds, all get it."""
-    code = ("import sys; from contract_lib import sources; "
+    code = ("import sys; from contract_lib.sources import origin as sources; "
             f"print(sources.resolve(None, [{str(GOOD)!r}]).sglang_dir)")
     env = {**os.environ, sources.DIFFS_DIR_ENV: str(diffs_dir)}
     children = [subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
