@@ -104,6 +104,13 @@ def _all_descendants(root: int) -> list[int]:
         return []
 
 
+def _ctrl_c_as_at_a_prompt() -> None:
+    """SIGINT's default in the command, as a shell's foreground job has it: a test session
+    started in the background (``pytest ... &`` without job control) ignores SIGINT, and
+    an ignored signal stays ignored across exec, so Ctrl-C would never reach the run."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.fixture()
 def cli(tmp_path):
     """Start ``python -m contract_lib ARGS`` in its own session with a private TMPDIR;
@@ -121,7 +128,7 @@ def cli(tmp_path):
         process = subprocess.Popen([sys.executable, "-m", "contract_lib", *args],
                                    cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True,
-                                   start_new_session=True)
+                                   start_new_session=True, preexec_fn=_ctrl_c_as_at_a_prompt)
         started.append(process)
         return process
 
@@ -241,6 +248,16 @@ def test_ctrl_c_during_status_cancels_queued_runs_and_exits_130(cli):
     assert _logs_left(cli.tmp) == []
 
 
+@pytest.fixture()
+def python_handles_sigint():
+    """SIGINT raises KeyboardInterrupt here for the test, as in a kernel (interrupt_main
+    does nothing in a session started with SIGINT ignored, see _ctrl_c_as_at_a_prompt)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("python_handles_sigint")
 def test_keyboard_interrupt_in_the_parent_kills_the_run_child():
     """A notebook kernel interrupt: KeyboardInterrupt raised inside the waiting parent."""
     runs: list[int] = []
