@@ -10,6 +10,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
+
 from contract_lib.runs import pool, servers
 
 _saved: dict[str, str | None] = {}
@@ -24,6 +26,21 @@ def pytest_configure(config):
                         (pool.IDLE_ENV, os.environ.get(pool.IDLE_ENV) or "120")):
         _saved[name] = os.environ.get(name)
         os.environ[name] = value
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: scripts/test runs two workers
+def pytest_xdist_make_scheduler(config, log):
+    """Tests spread one by one over the workers, but a notebook's cells, which share one
+    kernel in order, all on one worker. (xdist's ``loadgroup`` cannot say this: it marks
+    a group in ``item._nodeid``, which nbval's cells do not report as their nodeid.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class NotebooksWhole(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if path.endswith(".ipynb") else nodeid
+
+    return NotebooksWhole(config, log)
 
 
 def pytest_collection_finish(session):

@@ -75,10 +75,6 @@ _TIERS = ("fast", "real_loop", "releases", "notebooks")
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.suffix == ".ipynb":
-            # A notebook's cells share one kernel, in order: under ``-n 2 --dist
-            # loadgroup`` (scripts/test) they stay together on one worker.
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
         if any(item.get_closest_marker(tier) for tier in _TIERS):
             continue
         path = str(item.path)
