@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,18 @@ def saved():
     """``saved(workload, loop, patch=None)``: the committed frames of that real run, as
     ``run_cached`` would return them (pure pandas, no Scheduler); a fresh copy per call."""
     return saved_frames
+
+
+@pytest.fixture()
+def module_on_disk(tmp_path, monkeypatch):
+    """``module_on_disk(name, text)``: ``text`` written to ``tmp_path / name.py`` and
+    imported afresh (``inspect`` needs a source file to read a function's lines)."""
+    def write(name: str, text: str):
+        (tmp_path / f"{name}.py").write_text(text)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        monkeypatch.delitem(sys.modules, name, raising=False)
+        return importlib.import_module(name)
+    return write
 
 
 @pytest.fixture()

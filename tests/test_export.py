@@ -42,19 +42,16 @@ REFUSED = {
 
 
 @pytest.fixture()
-def module(tmp_path, monkeypatch):
+def module(module_on_disk):
     """A tiny module on disk inside a method of a class, fresh for every test."""
-    (tmp_path / "fake_loop.py").write_text(
-        "class Loop:\n"
-        "    def step(self):\n"
-        "        x = 1\n"
-        "\n"
-        "        if x:\n"
-        "            x += 1\n"
-        "        return x\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "fake_loop", raising=False)
-    return importlib.import_module("fake_loop")
+    return module_on_disk("fake_loop",
+                          "class Loop:\n"
+                          "    def step(self):\n"
+                          "        x = 1\n"
+                          "\n"
+                          "        if x:\n"
+                          "            x += 1\n"
+                          "        return x\n")
 
 
 @pytest.mark.fast

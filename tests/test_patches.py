@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
 import re
-import sys
 
 import pytest
 
@@ -13,19 +11,16 @@ from contract_lib.patches.catalog import bug_catalog
 
 
 @pytest.fixture()
-def module(tmp_path, monkeypatch):
-    """A tiny module on disk (inspect needs a source file), fresh for every test."""
-    (tmp_path / "fake_sglang_module.py").write_text(
-        "def helper():\n    return 'real'\n\n\n"
-        "class Loop:\n"
-        "    def step(self):\n"
-        "        x = 1\n"
-        "        if x:\n"
-        "            x += 1\n"
-        "        return helper(), x\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "fake_sglang_module", raising=False)
-    return importlib.import_module("fake_sglang_module")
+def module(module_on_disk):
+    """A tiny module on disk, fresh for every test."""
+    return module_on_disk("fake_sglang_module",
+                          "def helper():\n    return 'real'\n\n\n"
+                          "class Loop:\n"
+                          "    def step(self):\n"
+                          "        x = 1\n"
+                          "        if x:\n"
+                          "            x += 1\n"
+                          "        return helper(), x\n")
 
 
 def test_patch_source_replaces_at_any_indentation(module, monkeypatch):
