@@ -1,11 +1,7 @@
 """sglang-omni's release, as a run's source: installed on first use, pinned to SGLang 0.5.22.
 
-sglang-omni (PyPI ``sglang-omni``) runs SGLang's scheduling methods on its own class by
-composition (``OmniScheduler.__getattr__`` binds upstream ``Scheduler`` methods to an
-``OmniScheduler``) and owns its decode loop, ``event_loop_async_decode``: each iteration
-launches the current decode step and then resolves the previous one (a one-step
-lookahead), with its own per-forward bookkeeping (``stamp_batch_launch``). Findings and
-figures: ``docs/omni.md``.
+What sglang-omni (PyPI ``sglang-omni``) is and how its loop runs:
+:mod:`contract_lib.child.omni_build`; findings and figures: ``docs/omni.md``.
 
 The release is pinned: sglang-omni 0.1.9 is built on SGLang 0.5.22 (its declared
 dependency), so an ``omni`` run always imports SGLang 0.5.22 from that release's folder.
