@@ -175,3 +175,14 @@ def test_a_user_source_patch_exports_and_a_wrapper_is_refused_in_one_line():
                           cwd=ROOT / "tests")
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == f"error: {refusals['leak_on_finish']}\n"
+
+
+def test_a_patch_that_raises_fails_alone_in_its_batch(tmp_path, monkeypatch):
+    """A patch that raises while it is recorded is that patch's error, in one line; the
+    other patches of the batch still export (each is recorded in a fork of its own)."""
+    (tmp_path / "raising_patch.py").write_text("def boom():\n    raise RuntimeError('kaboom')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # a user patch, found on the path
+    exported = export_patches(["raising_patch:boom", "no-launch-ts"])
+    assert str(exported["raising_patch:boom"]) == (
+        "patch 'raising_patch:boom': the export process failed: RuntimeError: kaboom")
+    assert exported["no-launch-ts"].startswith("diff --git a/python/sglang/")

@@ -106,6 +106,8 @@ def _diff_or_error(spec: str, record: dict[str, Any], source: Source) -> str | E
 def _records(specs: list[str], source: Source) -> dict[str, dict[str, Any]]:
     """Run the patches in a fresh interpreter (this module's :func:`main`) and read what
     each recorded, by spec."""
+    what = (f"patch {specs[0]!r}" if len(specs) == 1
+            else "patches " + ", ".join(map(repr, specs)))
     with tempfile.TemporaryDirectory(prefix="contract_lib-export-") as tmp:
         out = Path(tmp) / "records.json"
         try:
@@ -114,11 +116,11 @@ def _records(specs: list[str], source: Source) -> dict[str, dict[str, Any]]:
                                   env=child_env(source.sglang_dir), capture_output=True,
                                   text=True, timeout=EXPORT_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            raise ExportError(f"patch {' + '.join(specs)!r}: export timed out after "
+            raise ExportError(f"{what}: export timed out after "
                               f"{EXPORT_TIMEOUT_S} s") from None
         if done.returncode != 0 or not out.is_file():
             tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise ExportError(f"patch {' + '.join(specs)!r}: the export process failed "
+            raise ExportError(f"{what}: the export process failed "
                               f"(exit {done.returncode}): {tail}")
         return json.loads(out.read_text())
 
