@@ -85,12 +85,14 @@ def test_recorded_edits_install_nothing_and_git_applies_their_diff(module, tmp_p
 def test_an_edit_of_code_that_moved_on_disk_is_refused(tmp_path):
     (tmp_path / "m.py").write_text("def f():\n    return 2\n")
     with pytest.raises(ExportError, match="m.py on disk differs from the code test imported"):
-        _diff(tmp_path, [Edit("m.py", 1, "def f():\n    return 1\n", "def f():\n    return 3\n")],
+        _diff(tmp_path,
+              [Edit("m.py", 1, "def f():\n    return 1\n", "def f():\n    return 3\n")],
               "test")
 
 
 def _release_folder(version: str) -> Path:
-    return sglang_path(version) or Path(importlib.util.find_spec("sglang").origin).parent.parent
+    installed = Path(importlib.util.find_spec("sglang").origin).parent.parent
+    return sglang_path(version) or installed
 
 
 def _applies_to_a_clean_tree(diff: Path, version: str, tmp_path: Path) -> None:
@@ -180,7 +182,8 @@ def test_a_user_source_patch_exports_and_a_wrapper_is_refused_in_one_line():
 def test_a_patch_that_raises_fails_alone_in_its_batch(tmp_path, monkeypatch):
     """A patch that raises while it is recorded is that patch's error, in one line; the
     other patches of the batch still export (each is recorded in a fork of its own)."""
-    (tmp_path / "raising_patch.py").write_text("def boom():\n    raise RuntimeError('kaboom')\n")
+    (tmp_path / "raising_patch.py").write_text(
+        "def boom():\n    raise RuntimeError('kaboom')\n")
     monkeypatch.syspath_prepend(str(tmp_path))  # a user patch, found on the path
     exported = export_patches(["raising_patch:boom", "no-launch-ts"])
     assert str(exported["raising_patch:boom"]) == (

@@ -231,7 +231,8 @@ def _changes(before: dict[str, tuple[object, dict[str, object]]]) -> list[str]:
         now = vars(owner)
         for attribute in sorted(set(attributes) | set(now)):
             old, new = attributes.get(attribute, _MISSING), now.get(attribute, _MISSING)
-            if old is new or isinstance(new, types.ModuleType) or attribute == "__warningregistry__":
+            if (old is new or isinstance(new, types.ModuleType)
+                    or attribute == "__warningregistry__"):
                 continue
             what = ("deletes" if new is _MISSING else "replaces" if old is not _MISSING
                     else "adds")
@@ -242,7 +243,8 @@ def _changes(before: dict[str, tuple[object, dict[str, object]]]) -> list[str]:
 
 def _named(value: object) -> str:
     function = getattr(value, "__func__", value)
-    module, qualname = getattr(function, "__module__", None), getattr(function, "__qualname__", None)
+    module = getattr(function, "__module__", None)
+    qualname = getattr(function, "__qualname__", None)
     return f"{module}.{qualname}" if module and qualname else type(value).__name__
 
 
