@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import socket
 
 import pandas as pd
 import pytest
@@ -10,6 +11,7 @@ import pytest
 import contract_lib
 from contract_lib import loops
 from contract_lib.contract.outputs import same_tokens
+from contract_lib.runs import harness
 from contract_lib.verdict import unsupported
 from contract_lib.workloads import Workload
 
@@ -194,6 +196,29 @@ def test_exception_inside_the_loop_is_a_crash_with_frames(loop):
     assert "injected fault" in frames.error["message"]
     assert "get_next_batch_to_run" in frames.error["traceback"]
     _frames_kept(frames)
+
+
+@pytest.mark.parametrize("losses, status", [(2, "finished"), (3, "crashed")])
+def test_a_set_up_that_lost_the_port_race_starts_again(monkeypatch, tmp_path, losses,
+                                                       status):
+    """SGLang draws a free port and binds it later: a concurrent run can take it first
+    (EADDRINUSE in set-up). The run starts again in a new child, up to three starts."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    marker = tmp_path / "starts"
+    monkeypatch.setenv("CONTRACT_LIB_TEST_TAKEN_PORT", str(taken.getsockname()[1]))
+    monkeypatch.setenv("CONTRACT_LIB_TEST_PORT_MARKER", str(marker))
+    monkeypatch.setenv("CONTRACT_LIB_TEST_PORT_LOSSES", str(losses))
+    with taken:  # a cold child: the environment above reaches it
+        frames = contract_lib.run("two-turn", "normal", cache=False, warm=False,
+                                  patch="user_patches:lose_the_port_race_until_the_marker")
+    assert frames.status == status, frames.error
+    assert len(marker.read_text().splitlines()) == losses
+    if status == "crashed":
+        assert harness.lost_port_race(frames), frames.error
+    else:
+        assert frames.meta["steps"] > 0
 
 
 def test_child_killed_by_a_signal_is_died_with_frames():

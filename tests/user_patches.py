@@ -966,3 +966,26 @@ def shutdown_after_three_results():
         return out
 
     Scheduler.process_batch_result = process_batch_result
+
+
+def lose_the_port_race_until_the_marker():
+    """A run start draws ``$CONTRACT_LIB_TEST_TAKEN_PORT`` (a port the test holds) for
+    torch's TCPStore, as a concurrent run's draw of SGLang's ``get_free_port`` can, until
+    the file ``$CONTRACT_LIB_TEST_PORT_MARKER`` has ``$..._LOSSES`` lines (one per start)."""
+    from sglang.srt.server_args import PortArgs
+
+    marker = os.environ["CONTRACT_LIB_TEST_PORT_MARKER"]
+    with open(marker, "a+") as starts:
+        starts.seek(0)
+        lost = len(starts.readlines())
+        if lost >= int(os.environ["CONTRACT_LIB_TEST_PORT_LOSSES"]):
+            return
+        starts.write("lost\n")
+    original = PortArgs.init_new
+
+    def init_new(*args, **kwargs):
+        port_args = original(*args, **kwargs)
+        port_args.nccl_port = int(os.environ["CONTRACT_LIB_TEST_TAKEN_PORT"])
+        return port_args
+
+    PortArgs.init_new = staticmethod(init_new)

@@ -59,6 +59,9 @@ EXTRA_PATCH_ENV = "CONTRACT_LIB_EXTRA_PATCH"
 # Seconds without any message from the child before the run is declared hung.
 DEFAULT_HANG_TIMEOUT_S = 300.0
 
+# Starts of a run whose set-up lost SGLang's port race (below) before its crash stands.
+PORT_RACE_STARTS = 3
+
 
 class RunInterrupted(KeyboardInterrupt):
     """Ctrl-C (a KeyboardInterrupt in the waiting thread) or a set ``cancel`` event stopped
@@ -96,15 +99,17 @@ def run(
     """Drive ``workload`` through ``loop`` and return its frames, whatever happened.
 
     ``patch`` is a built-in patch name, ``"module:callable"``, an importable callable, or
-    several of these (a list, or names joined with ``+``); see :mod:`contract_lib.patches.builtin`.
-    Patches run in the child before the Scheduler is built.
+    several of these (a list, or names joined with ``+``); see
+    :mod:`contract_lib.patches.builtin`. Patches run in the child before the Scheduler is
+    built.
     The returned frames carry ``status`` (``finished``, ``crashed``, ``timeout``, ``died``)
     and, unless finished, ``error``.
 
     ``hang_timeout``: seconds without a message from the run's child before it is
     stopped as hung (status ``timeout``); None: the workload's ``max_seconds``, else
     :data:`DEFAULT_HANG_TIMEOUT_S`.
-    ``cache``: serve and store finished runs from the frame cache (:mod:`contract_lib.runs.cache`).
+    ``cache``: serve and store finished runs from the frame cache
+    (:mod:`contract_lib.runs.cache`).
     ``warm``: fork the run from a warm server that has SGLang imported
     (:mod:`contract_lib.runs.pool`) instead of starting a cold interpreter; same frames.
     ``capture=False`` records nothing but the run's fate and timing (for measuring the
@@ -136,13 +141,28 @@ def run(
         hit = frame_cache.load(run_key, meta)
         if hit is not None:
             return hit
-    frames = _execute(spec, meta, hang_timeout, warm, cancel)
+    for _ in range(PORT_RACE_STARTS):
+        frames = _execute(spec, dict(meta), hang_timeout, warm, cancel)
+        if not lost_port_race(frames):
+            break
     if frames.status == "interrupted":
-        raise RunInterrupted(f"{run_title(meta)} stopped after {meta['steps']} steps",
+        raise RunInterrupted(f"{run_title(frames.meta)} stopped after "
+                             f"{frames.meta['steps']} steps",
                              frames=frames)
     if use_cache:
         frame_cache.store(run_key, frames)
     return frames
+
+
+def lost_port_race(frames: Frames) -> bool:
+    """Whether the run crashed in set-up binding a port another process took first.
+    SGLang's ``PortArgs.init_new`` picks a free port (``get_free_port``) that
+    ``Scheduler.__init__`` binds only later (torch's TCPStore), so concurrent runs on one
+    machine can draw the same one: a crash of the machine, not of the run, which
+    :func:`run` starts again in a new child (nothing was captured before the loop)."""
+    error = frames.meta.get("error") or {}
+    return (frames.status == "crashed" and error.get("phase") == "setup"
+            and "EADDRINUSE" in str(error.get("message", "")))
 
 
 def _run_spec(workload: str | Workload, loop: str, patch: PatchArg,
