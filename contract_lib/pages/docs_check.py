@@ -29,8 +29,8 @@ from contract_lib.pages import (  # noqa: F401  (they register)
     run_blocks,
     sglang_lines,
 )
-from contract_lib.pages.markers import Block, MarkerError, blocks, replace
 from contract_lib.pages.generators import NEEDS, generate, generator_of
+from contract_lib.pages.markers import Block, MarkerError, blocks, replace
 from contract_lib.paths import PROJECT_ROOT
 
 
@@ -62,10 +62,12 @@ def _check_block(block: Block, label: str, fresh: str) -> str | None:
     return None
 
 
-def check_blocks(docs: list[Path], needs: str, write: bool) -> list[str]:
+def check_blocks(docs: list[Path], needs: str, write: bool, least: str = "files") -> list[str]:
     """Problems of the generated blocks (and, with ``write``, regenerate them); a block
-    whose generator needs more than ``needs`` is only checked for hand edits."""
-    allowed, problems, made = NEEDS[:NEEDS.index(needs) + 1], [], {}
+    whose generator needs more than ``needs``, or less than ``least``, is only checked
+    for hand edits."""
+    allowed = NEEDS[NEEDS.index(least):NEEDS.index(needs) + 1]
+    problems, made = [], {}
     for doc in docs:
         text, where = doc.read_text(), _where(doc)
         updates = {}
@@ -134,10 +136,12 @@ def check_environment(write: bool) -> list[str]:
             "scripts/check-docs --write rewrites it"]
 
 
-def run(needs: str = "releases", write: bool = False, add: bool = False) -> list[str]:
-    """Every problem, a line each (after fixing what ``write`` can)."""
+def run(needs: str = "releases", write: bool = False, add: bool = False,
+        least: str = "files") -> list[str]:
+    """Every problem, a line each (after fixing what ``write`` can); the blocks
+    regenerated are those needing from ``least`` to ``needs``."""
     docs, notebooks = prose.doc_files(), prose.notebook_sources()
-    problems = check_blocks(docs, needs, write)
+    problems = check_blocks(docs, needs, write, least)
     problems += check_references(docs + notebooks, write, needs == "releases", add)
     problems += project_paths.check(docs + notebooks)
     problems += check_environment(write)

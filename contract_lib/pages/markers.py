@@ -56,7 +56,14 @@ def digest(text: str) -> str:
 
 
 def blocks(text: str) -> list[Block]:
-    """Every generated block of ``text``, in order."""
+    """Every generated block of ``text``, in order (a begin marker without ``digest=``,
+    which would otherwise be skipped silently, is a :class:`MarkerError`)."""
+    begins = [m.start() for m in re.finditer(re.escape("<!-- begin generated:"), text)]
+    well_formed = {m.start() for m in _BEGIN.finditer(text)}
+    for start in begins:
+        if start not in well_formed:
+            raise MarkerError(f"line {text.count(chr(10), 0, start) + 1}: a begin marker "
+                              "without ' digest=... -->' (write 'digest=' to have it made)")
     found = []
     for match in _BEGIN.finditer(text):
         close = text.find(_END, match.end())
