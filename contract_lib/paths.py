@@ -11,6 +11,8 @@ MODEL_DIR = DATA_DIR / "model"  # the model-free runs' config-only model folder
 WORKLOAD_DIR = DATA_DIR / "workloads"
 FRAMES_DIR = DATA_DIR / "frames"  # where the CLI saves frames and traces by default
 HISTORY_DIR = DATA_DIR / "history"  # the saved runs of every supported release
+# Every shipped workload through each loop of every supported release (docs/history.md)
+SWEEP_DIR = DATA_DIR / "history-sweep"
 BUG_CATALOG = DATA_DIR / "bugs.toml"
 
 # What runs in the run's process (the warm server's and a run's imports), hence all of

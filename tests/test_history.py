@@ -9,6 +9,7 @@ drives anyway), and run held-out workloads on the oldest and the newest.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import matplotlib
@@ -23,18 +24,23 @@ from contract_lib.campaigns.saved_history import (
     saved_releases,
     saved_run,
     saved_status,
+    swept_status,
 )
 from contract_lib.cli import main
 from contract_lib.contract import HOLDS, MASKED, NOT_PRESENT, VIOLATED, check, kv_damage
+from contract_lib.paths import SWEEP_DIR
 from contract_lib.sources.versions import SUPPORTED_SGLANG_VERSIONS
+from contract_lib.workloads import workload_names
 
 matplotlib.use("Agg")
 
 fast = pytest.mark.fast
 SHUTDOWN = "user_patches:shutdown_after_three_results"
 HELD_OUT = sorted((Path(__file__).parent / "workloads" / "held-out").glob("*.toml"))
-# Live: the oldest release, and the two newest (installed for tests/test_releases.py).
+# Live: the oldest release, and the two newest (installed for tests/test_releases.py);
+# of the sweep (every shipped workload), the oldest and the venv's.
 LIVE = ("0.5.14", "0.5.22", "0.5.23")
+SWEEP_LIVE = ("0.5.14", "0.5.23")
 
 
 def _from(version: str, first: str) -> bool:
@@ -68,6 +74,26 @@ def test_every_supported_release_has_its_saved_runs():
     names = {v: sorted(p.name for p in saved_files() if p.parent.name == v)
              for v in saved_releases()}
     assert len({tuple(n) for n in names.values()}) == 1, names  # the same runs on each
+
+
+@fast
+def test_the_sweep_has_every_shipped_workload_on_every_release():
+    """What docs/history.md's release tables read: each shipped workload through
+    normal, overlap and mlx, and mlx with the real runner (scripts/make-history-fixtures)."""
+    names = {f"{w}.{run}.json.gz" for w in workload_names()
+             for run in ("normal", "overlap", "mlx", "mlx.real")}
+    assert saved_releases(SWEEP_DIR) == list(SUPPORTED_SGLANG_VERSIONS)
+    for version in SUPPORTED_SGLANG_VERSIONS:
+        assert {p.name for p in (SWEEP_DIR / version).glob("*.json.gz")} == names, version
+
+
+@fast
+def test_a_workload_missing_from_the_sweep_names_the_script(tmp_path):
+    shutil.copytree(SWEEP_DIR / "0.5.23", tmp_path / "0.5.23")
+    (tmp_path / "0.5.23" / "abort.overlap.json.gz").unlink()
+    with pytest.raises(FileNotFoundError, match="abort.overlap.json.gz: no saved history "
+                       "run; add it to scripts/make-history-fixtures"):
+        swept_status(["0.5.23"], ["normal", "overlap"], directory=tmp_path)
 
 
 @fast
@@ -313,8 +339,9 @@ def test_the_clause_by_release_figure(past):
 
 
 @pytest.mark.releases
-@pytest.mark.parametrize("path", [p for p in saved_files() if p.parent.name in LIVE],
-                         ids=lambda p: f"{p.parent.name}/{p.name}")
+@pytest.mark.parametrize("path", [p for p in saved_files() if p.parent.name in LIVE]
+                         + [p for p in saved_files(SWEEP_DIR) if p.parent.name in SWEEP_LIVE],
+                         ids=lambda p: f"{p.parent.parent.name}/{p.parent.name}/{p.name}")
 def test_the_saved_runs_are_todays_runs(run_cached, path):
     """Else re-run ``scripts/make-history-fixtures`` (a change in what runs record)."""
     saved = load_file(path)
@@ -322,7 +349,11 @@ def test_the_saved_runs_are_todays_runs(run_cached, path):
     fresh = run_cached(meta["workload"], meta["loop"], meta["patch"], meta["runner"],
                        meta["sglang_version"])
     assert (saved.status, meta["steps"]) == (fresh.status, fresh.meta["steps"])
-    assert meta["shims"] == fresh.meta["shims"]  # whose Triton stand-in, which backports
+    # whose Triton stand-in, which backports (none: refused before the build)
+    assert meta.get("shims") == fresh.meta.get("shims")
+    fate = ("type", "phase", "message")  # an error's log tail has timestamps
+    assert ({k: saved.error.get(k) for k in fate} if saved.error else None) == (
+        {k: fresh.error.get(k) for k in fate} if fresh.error else None)
     for name, table in fresh.comparable().items():
         pd.testing.assert_frame_equal(saved.comparable()[name], table, obj=name)
 

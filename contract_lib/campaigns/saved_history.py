@@ -1,8 +1,10 @@
-"""The committed runs of every supported release (``data/history/<release>/``, written by
-``scripts/make-history-fixtures``): the contract's history read without installing a
-release. Each file is one run's :meth:`Frames.to_payload` as compact JSON, gzipped
-(deterministically: no timestamp), named like the CLI's frames files
-(``two-turn.mlx.real.json.gz``)."""
+"""The committed runs of every supported release, written by
+``scripts/make-history-fixtures``: the contract's history read without installing a
+release. ``data/history/<release>/`` holds the runs that show each July bug;
+``data/history-sweep/<release>/`` every shipped workload through each loop the release
+tables of docs/history.md show. Each file is one run's :meth:`Frames.to_payload` as
+compact JSON, gzipped (deterministically: no timestamp), named like the CLI's frames
+files (``two-turn.mlx.real.json.gz``)."""
 
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ from pathlib import Path
 
 from contract_lib.campaigns.status import ReleasesStatus, checked_releases
 from contract_lib.frames import Frames, parse_payload
-from contract_lib.paths import HISTORY_DIR
+from contract_lib.paths import HISTORY_DIR, SWEEP_DIR
 from contract_lib.sources.versions import SUPPORTED_SGLANG_VERSIONS
+from contract_lib.workloads import workload_names
 
 SUFFIX = ".json.gz"
 
@@ -27,15 +30,36 @@ def run_name(workload: str, loop: str, patch: str | None = None,
     return name + (f".{patch.replace(':', '-').replace('/', '-')}" if patch else "")
 
 
-def save_run(frames: Frames, directory: Path = HISTORY_DIR) -> Path:
-    """Write ``frames`` to ``directory/<release>/<run_name>.json.gz``; the path."""
+def save_run(frames: Frames, directory: Path = HISTORY_DIR) -> tuple[Path, bool]:
+    """Write ``frames`` to ``directory/<release>/<run_name>.json.gz``, unless the file
+    there holds the same run (wall-clock columns aside), so a re-made history changes
+    only the runs that changed; the path, and whether it was written."""
     meta = frames.meta
-    path = (directory / meta["sglang_version"]
-            / f"{run_name(meta['workload'], meta['loop'], meta['patch'], meta['runner'])}{SUFFIX}")
+    name = run_name(meta["workload"], meta["loop"], meta["patch"], meta["runner"])
+    path = directory / meta["sglang_version"] / f"{name}{SUFFIX}"
+    if path.is_file() and _same_run(load_file(path), frames):
+        return path, False
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(frames.to_payload(), separators=(",", ":")) + "\n"
     path.write_bytes(gzip.compress(text.encode(), compresslevel=9, mtime=0))
-    return path
+    _payload.cache_clear()
+    return path, True
+
+
+def _same_run(saved: Frames, frames: Frames) -> bool:
+    """Same fate, shims and tables (an error by its type, phase and message: its log
+    tail has timestamps)."""
+    def fate(run: Frames) -> tuple:
+        error = run.meta.get("error") or {}
+        return (run.status, run.meta["steps"], run.meta.get("shims"),
+                *(error.get(key) for key in ("type", "phase", "message")))
+
+    if fate(saved) != fate(frames):
+        return False
+    mine, theirs = frames.comparable(), saved.comparable()
+    return mine.keys() == theirs.keys() and all(
+        theirs[name].reset_index(drop=True).equals(table.reset_index(drop=True))
+        for name, table in mine.items())
 
 
 @functools.lru_cache(maxsize=None)
@@ -86,3 +110,16 @@ def saved_status(runner: str = "model-free", patch: str | None = None,
         raise FileNotFoundError(f"{directory}: no saved {runner} run"
                                 + (f" with patch {patch}" if patch else ""))
     return checked_releases(runs, runner)
+
+
+def swept_status(versions: list[str], loops: list[str], runner: str = "model-free",
+                 directory: Path = SWEEP_DIR) -> ReleasesStatus:
+    """What ``status --sglang V ... --loop L ...`` measures over every shipped workload,
+    read from the saved sweep: each (release, workload, loop) run must be there (a
+    workload added since, or a loop not swept, is a FileNotFoundError naming the
+    script), and is checked by today's code."""
+    return checked_releases({
+        version: {(workload, loop): saved_run(version, workload, loop, runner=runner,
+                                              directory=directory)
+                  for workload in workload_names() for loop in loops}
+        for version in versions}, runner)

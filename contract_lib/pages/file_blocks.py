@@ -12,7 +12,6 @@ from contract_lib.pages.generators import generator
 from contract_lib.paths import PROJECT_ROOT
 
 FIXTURES = PROJECT_ROOT / "tests" / "fixtures"
-HISTORY = PROJECT_ROOT / "data" / "history"
 FAST_TIER_RESULT = PROJECT_ROOT / "benchmarks" / "fast-tier.json"
 SEARCH_RESULT = PROJECT_ROOT / "benchmarks" / "search.md"
 
@@ -26,11 +25,14 @@ def fixtures_phrase() -> str:
 
 
 @generator("history-fixtures", needs="files")
-def history_fixtures_phrase() -> str:
-    """How many saved runs of the contract's history there are, per release, and their size."""
-    releases = sorted((d for d in HISTORY.iterdir() if d.is_dir()),
+def history_fixtures_phrase(folder: str = "history") -> str:
+    """How many saved runs of the contract's history there are in ``data/<folder>``
+    (``history``: the bug runs; ``history-sweep``: every shipped workload), per release,
+    and their size."""
+    history = PROJECT_ROOT / "data" / folder
+    releases = sorted((d for d in history.iterdir() if d.is_dir()),
                       key=lambda d: tuple(int(part) for part in d.name.split(".")))
-    files = sorted(HISTORY.rglob("*.json.gz"))
+    files = sorted(history.rglob("*.json.gz"))
     per_release = {len(list(d.glob("*.json.gz"))) for d in releases}
     each = (f"{per_release.pop()} per release" if len(per_release) == 1
             else "per release: " + ", ".join(f"{d.name} {len(list(d.glob('*.json.gz')))}"

@@ -1,8 +1,10 @@
 """The generators of the docs' generated blocks: a name, what running it needs, a function.
 
 ``needs`` orders them by cost, so a test can check the cheap ones on every commit:
-``files`` reads committed files only, ``pytest`` collects the test suite, ``runs`` drives
-the venv's SGLang, ``releases`` installs and drives other releases or sglang-omni.
+``files`` reads committed files only, ``saved`` checks the saved runs of every release
+with today's code (``data/history-sweep``, tens of seconds), ``pytest`` collects the
+test suite, ``runs`` drives the venv's SGLang, ``releases`` installs and drives other
+releases or sglang-omni.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Callable
 
 from contract_lib.pages.markers import Block, MarkerError
 
-NEEDS = ("files", "pytest", "runs", "releases")
+NEEDS = ("files", "saved", "pytest", "runs", "releases")
 
 
 @dataclasses.dataclass(frozen=True)
