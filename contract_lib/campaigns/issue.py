@@ -150,6 +150,8 @@ def _markdown(finding: Finding, slug: str, where: str, frames_files: list[Path],
         report_args.append("--shrink")
     if request.clause is not None:
         report_args += ["--clause", str(request.clause)]
+    for version in request.releases or ():
+        report_args += ["--release", version]
     lines = [f"# {_title(finding)}", "",
              f"<!-- written by `{_command(finding, *report_args, '--out', display(out))}`; "
              "regenerated, it gives the same bytes -->", "",
@@ -271,7 +273,10 @@ def _rank(site: Site, loop: str) -> int:
 
 def _releases(finding: Finding) -> list[str]:
     lines = ["### Releases affected", "",
-             "The same check (`--strict-known`) on every supported release:", "",
+             "The same check (`--strict-known`) on "
+             + ("the releases asked for:" if finding.request.releases
+                else "every supported release:"),
+             "",
              f"| SGLang | clause {finding.clause} | first violation |", "|---|---|---|"]
     lines += [f"| {row.version} | {row.status} | {row.line} |" for row in finding.releases]
     return lines + [""]

@@ -35,7 +35,10 @@ from contract_lib.patches.catalog import bug_catalog
 from contract_lib.runs.harness import run, run_many
 from contract_lib.sources.diffs import read_diff
 from contract_lib.sources.sites import Site, definition, field_sites, sglang_root
-from contract_lib.sources.versions import SUPPORTED_SGLANG_VERSIONS
+from contract_lib.sources.versions import (
+    SUPPORTED_SGLANG_VERSIONS,
+    require_supported_sglang,
+)
 from contract_lib.verdict import setup_failed
 from contract_lib.wire.protocol import RunSetupError
 from contract_lib.workloads import Workload, load_workload
@@ -63,6 +66,8 @@ class ReportRequest:
     shrink: bool = False
     clause: int | None = None
     cache: bool = True
+    # The releases of the *Releases affected* table (None: every supported one).
+    releases: tuple[str, ...] | None = None
 
 
 @dataclasses.dataclass
@@ -125,6 +130,8 @@ def _validate(request: ReportRequest) -> None:
     patch_spec(request.fix)
     if request.fix_diff is not None:
         read_diff(request.fix_diff)
+    for version in request.releases or ():
+        require_supported_sglang(version)
     if request.out.exists() and not request.out.is_dir():
         raise RunSetupError(f"--out {request.out}: not a folder")
 
@@ -213,9 +220,10 @@ def matching_bug(report: Report, clause: int, loop: str) -> dict[str, Any] | Non
 
 
 def _releases(request: ReportRequest, workload: Workload, clause: int) -> list[ReleaseRow]:
-    """The same run and check on every supported release (the loop's own when pinned)."""
+    """The same run and check on every supported release, or those asked for (the
+    loop's own when pinned)."""
     pinned = loops.spec(request.loop).sglang
-    versions = [pinned] if pinned else list(SUPPORTED_SGLANG_VERSIONS)
+    versions = [pinned] if pinned else list(request.releases or SUPPORTED_SGLANG_VERSIONS)
     jobs = [{"workload": workload, "loop": request.loop, "patch": request.patch,
              "sglang": version, "cache": request.cache} for version in versions]
     rows = []

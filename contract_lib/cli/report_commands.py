@@ -32,11 +32,27 @@ def cmd_report(args) -> int:
 
     request = ReportRequest(loop=args.loop, workload=args.workload, patch=args.patch,
                             fix=args.fix, fix_diff=args.fix_diff, shrink=args.shrink,
-                            clause=args.clause, out=args.out, cache=not args.no_cache)
+                            clause=args.clause, out=args.out, cache=not args.no_cache,
+                            releases=_releases(args.release))
     written = write_report(request, draw=clause_view)
     for line in written.summary():
         print(line)
     return written.exit_code
+
+
+def _releases(values: list[str] | None) -> tuple[str, ...] | None:
+    """``--release`` values, ranges expanded, each once in release order; None: all."""
+    if not values:
+        return None
+    from contract_lib.sources.versions import (
+        SUPPORTED_SGLANG_VERSIONS,
+        release_range,
+        require_supported_sglang,
+    )
+
+    asked = {require_supported_sglang(version) for value in values
+             for version in release_range(value)}
+    return tuple(v for v in SUPPORTED_SGLANG_VERSIONS if v in asked)
 
 
 def register(commands) -> None:
@@ -79,5 +95,9 @@ def register(commands) -> None:
                         "0) and report that one")
     report.add_argument("--out", type=Path, required=True, help="the folder to write the "
                         "report, its workload, diff, test, frames and figure to")
+    report.add_argument("--release", action="append", metavar="VERSION|RANGE",
+                        help="a release of the *Releases affected* table, or a range "
+                        "OLDEST..NEWEST (repeatable; default: every supported release, "
+                        "each installed on first use)")
     add_speed_options(report)
     report.set_defaults(handler=cmd_report)
