@@ -151,15 +151,18 @@ def releases_block(versions: str, loops: str, runner: str = "model-free",
                         md_table(["clause", *names], rows), *_refused(measured.statuses)])
 
 
-@generator("stamp-violations", needs="runs")
-def stamp_violations_phrase(workload: str, loop: str, field: str) -> str:
-    """``N of M launches``: the launches whose clause-3 ``field`` is violated on a run."""
+@generator("saved-stamp-violations", needs="saved")
+def saved_stamp_violations_phrase(workload: str, loop: str, release: str,
+                                  field: str) -> str:
+    """``N of M launches``: the launches whose clause-3 ``field`` is violated on the saved
+    run of ``release`` (``data/history-sweep``)."""
+    from contract_lib.campaigns.saved_history import saved_run
     from contract_lib.contract import check
+    from contract_lib.paths import SWEEP_DIR
 
-    frames, _ = _runs(loop, workload)
-    found = check(frames[0]).clauses[3].violations
-    return (f"{int((found['field'] == field).sum())} of {len(frames[0].launches)} "
-            "launches")
+    frames = saved_run(release, workload, loop, directory=SWEEP_DIR)
+    found = check(frames).clauses[3].violations
+    return f"{int((found['field'] == field).sum())} of {len(frames.launches)} launches"
 
 
 @generator("memory-pressure", needs="runs")
