@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,31 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("CONTRACT_LIB_CACHE_DIR", str(tmp_path / "frames"))
     monkeypatch.delenv("CONTRACT_LIB_NO_CACHE", raising=False)
     return tmp_path / "frames"
+
+
+@pytest.fixture(autouse=True)
+def _other_releases_only_in_their_tier(request, monkeypatch):
+    """Outside the ``releases`` tier, a test that asks to run another SGLang release than
+    the venv's, or sglang-omni, fails naming it: it would install it on first use
+    (~100-280 MB, ~10 s each), which only that tier may do. (A subprocess the test starts
+    is not watched.)"""
+    if request.node.get_closest_marker("releases"):
+        return
+    from contract_lib.sources import omni_release, origin, versions
+
+    def refuse(what: str):
+        raise AssertionError(f"{request.node.nodeid} drives {what} outside the releases "
+                             "tier: mark it `pytest.mark.releases`, or use the venv's")
+
+    def sglang_path(version, _real=versions.sglang_path):
+        sandboxed = os.environ.get(versions.RELEASES_DIR_ENV)  # the test's own folder
+        if sandboxed or version in (None, versions.installed_sglang_version()):
+            return _real(version)
+        refuse(f"sglang {version}")
+
+    monkeypatch.setattr(origin, "sglang_path", sglang_path)
+    monkeypatch.setattr(versions, "sglang_path", sglang_path)
+    monkeypatch.setattr(omni_release, "omni_path", lambda: refuse("sglang-omni"))
 
 
 # -- tiers ---------------------------------------------------------------------------------
