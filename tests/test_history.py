@@ -20,6 +20,7 @@ from contract_lib import views
 from contract_lib.campaigns import history
 from contract_lib.campaigns.saved_history import (
     load_file,
+    save_run,
     saved_files,
     saved_releases,
     saved_run,
@@ -85,6 +86,21 @@ def test_the_sweep_has_every_shipped_workload_on_every_release():
     assert saved_releases(SWEEP_DIR) == list(SUPPORTED_SGLANG_VERSIONS)
     for version in SUPPORTED_SGLANG_VERSIONS:
         assert {p.name for p in (SWEEP_DIR / version).glob("*.json.gz")} == names, version
+
+
+@fast
+def test_saving_the_same_run_again_keeps_the_file(tmp_path):
+    """scripts/make-history-fixtures rewrites only a run whose frames changed (wall
+    clock aside), so re-making the history changes only what changed."""
+    run = _mlx("0.5.23")
+    path, written = save_run(run, tmp_path)
+    assert written and path == tmp_path / "0.5.23" / "two-turn.mlx.json.gz"
+    again = load_file(path)
+    again.steps["wall_time"] += 1.0  # a wall-clock column: not a change
+    assert save_run(again, tmp_path) == (path, False)
+    again.launches.loc[again.launches.index[0], "forward_ct"] += 1
+    assert save_run(again, tmp_path) == (path, True)
+    assert load_file(path).launches["forward_ct"].equals(again.launches["forward_ct"])
 
 
 @fast

@@ -14,6 +14,7 @@ import gzip
 import json
 from pathlib import Path
 
+from contract_lib.campaigns.run_diff import first_difference
 from contract_lib.campaigns.status import ReleasesStatus, checked_releases
 from contract_lib.frames import Frames, parse_payload
 from contract_lib.paths import HISTORY_DIR, SWEEP_DIR
@@ -54,12 +55,8 @@ def _same_run(saved: Frames, frames: Frames) -> bool:
         return (run.status, run.meta["steps"], run.meta.get("shims"),
                 *(error.get(key) for key in ("type", "phase", "message")))
 
-    if fate(saved) != fate(frames):
-        return False
-    mine, theirs = frames.comparable(), saved.comparable()
-    return mine.keys() == theirs.keys() and all(
-        theirs[name].reset_index(drop=True).equals(table.reset_index(drop=True))
-        for name, table in mine.items())
+    return (fate(saved) == fate(frames) and saved.tables.keys() == frames.tables.keys()
+            and first_difference(saved, frames) == "none")
 
 
 @functools.lru_cache(maxsize=None)

@@ -41,18 +41,13 @@ def cmd_report(args) -> int:
 
 
 def _releases(values: list[str] | None) -> tuple[str, ...] | None:
-    """``--release`` values, ranges expanded, each once in release order; None: all."""
+    """``--release`` values, ranges expanded, each once (as ``status --sglang``); None:
+    every supported release. The report checks each is supported."""
     if not values:
         return None
-    from contract_lib.sources.versions import (
-        SUPPORTED_SGLANG_VERSIONS,
-        release_range,
-        require_supported_sglang,
-    )
+    from contract_lib.sources.versions import release_range
 
-    asked = {require_supported_sglang(version) for value in values
-             for version in release_range(value)}
-    return tuple(v for v in SUPPORTED_SGLANG_VERSIONS if v in asked)
+    return tuple(dict.fromkeys(v for value in values for v in release_range(value)))
 
 
 def register(commands) -> None:
