@@ -419,9 +419,11 @@ def test_a_patch_that_bypasses_the_dispatch_is_a_setup_error(capsys):
 def test_writes_are_attributed_to_the_row_holder_even_when_values_repeat():
     """The allocator can hand the same slot back at the same position after a free: the
     new holder's write makes it its own, whatever the value."""
+    from types import SimpleNamespace
+
     import torch
 
-    from contract_lib.child.capture import Recorder
+    from contract_lib.child.capture.row_writes import RowWrites
 
     class Kv:
         def __init__(self, row):
@@ -431,17 +433,15 @@ def test_writes_are_attributed_to_the_row_holder_even_when_values_repeat():
         def __init__(self, row):
             self.kv = Kv(row)
 
-    recorder = Recorder.__new__(Recorder)
-    recorder.track_row_writes((3, 8))
     first, second = Req(1), Req(None)
-    recorder.reqs = {"first": first, "second": second}
-    recorder.on_row_write((1, slice(0, 4)))
+    rows = RowWrites(SimpleNamespace(reqs={"first": first, "second": second}), (3, 8))
+    rows.on_write((1, slice(0, 4)))
     first.kv.req_pool_idx, second.kv.req_pool_idx = None, 1  # row 1 freed and reused
-    recorder.on_row_write((torch.tensor([1, 1]), torch.tensor([0, 1])))
-    assert recorder.written_by[1, :5].tolist() == [1, 1, 0, 0, -1]
+    rows.on_write((torch.tensor([1, 1]), torch.tensor([0, 1])))
+    assert rows.written_by[1, :5].tolist() == [1, 1, 0, 0, -1]
     # rows broadcast against positions: each entry is its row's holder's (row 2: none)
-    recorder.on_row_write((torch.tensor([[1], [2]]), torch.tensor([[6, 7], [6, 7]])))
-    assert recorder.written_by[1:, 6:].tolist() == [[1, 1], [-1, -1]]
+    rows.on_write((torch.tensor([[1], [2]]), torch.tensor([[6, 7], [6, 7]])))
+    assert rows.written_by[1:, 6:].tolist() == [[1, 1], [-1, -1]]
 
 
 def test_numpy_view_follows_a_rebound_or_resized_tensor():

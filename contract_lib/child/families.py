@@ -99,7 +99,7 @@ class SGLangFamily:
 
         scheduler._add_request_to_queue = add_request_to_queue
 
-    def install_hooks(self, recorder) -> None:
+    def install_hooks(self, hooks) -> None:
         """The family's own capture hooks, beside the shared ones."""
 
     def feed(self, scheduler, spec: RequestSpec, prompt: list[int], index: int) -> None:
@@ -167,9 +167,9 @@ class DisaggregationFamily(SGLangFamily):
 
         return disaggregation_server_args(self.role)
 
-    def install_hooks(self, recorder) -> None:
+    def install_hooks(self, hooks) -> None:
         if self.role == loops.DECODE:
-            recorder._install_prebuilt_hook()
+            hooks.install_prebuilt_hook()
 
     def feed(self, scheduler, spec: RequestSpec, prompt: list[int], index: int) -> None:
         from contract_lib.child.shims import bootstrap_fields, tokenized_request
@@ -275,8 +275,8 @@ class OmniFamily(SGLangFamily):
 
         scheduler.request_builder = request_builder
 
-    def install_hooks(self, recorder) -> None:
-        recorder._install_omni_resolve_hook()
+    def install_hooks(self, hooks) -> None:
+        hooks.install_omni_resolve_hook()
 
     def feed(self, scheduler, spec: RequestSpec, prompt: list[int], index: int) -> None:
         from contract_lib.child.shims import omni_request_message

@@ -67,14 +67,17 @@ ATOL = 1e-5
 class KvPoolRecorder:
     """Records ``kv_syncs`` while the run goes and ``kv_pool`` at its end.
 
-    ``recorder`` is the run's :class:`contract_lib.child.capture.Recorder`: its ``step`` is the
-    step a write happens in, its ``reqs`` the requests SGLang knows.
+    ``state`` is the run's :class:`contract_lib.child.capture.RunState`: its ``step`` is
+    the step a write happens in, its ``reqs`` the requests SGLang knows.
     """
 
-    def __init__(self, scheduler, recorder, emit, model_dir: str) -> None:
-        self.s = scheduler
-        self.recorder = recorder
-        self.emit = emit
+    def __init__(self, state, model_dir: str) -> None:
+        from contract_lib.child.capture import NumpyView
+
+        self.s = state.scheduler
+        self.state = state
+        self.emit = state.emit
+        self.req_to_token_view = NumpyView()  # sliced in numpy, not torch
         self.model_dir = model_dir
         self.runner = None
         self._model = None  # mlx-lm's model (real runner), loaded at the run's end
@@ -134,7 +137,7 @@ class KvPoolRecorder:
         """slot -> (request, position, cache_protected_len) over the other live requests."""
         rtt = self._req_to_token()
         holders: dict[int, tuple[str, int, int]] = {}
-        for other, req in self.recorder.reqs.items():
+        for other, req in self.state.reqs.items():
             kv = req_kv(req)
             if other == rid or kv.req_pool_idx is None or req.finished():
                 continue
@@ -145,11 +148,11 @@ class KvPoolRecorder:
         return holders
 
     def _req_to_token(self):
-        """``req_to_token`` as numpy (the recorder's view: sliced without torch)."""
-        return self.recorder.req_to_token_view.of(self.s.req_to_token_pool.req_to_token)
+        """``req_to_token`` as numpy."""
+        return self.req_to_token_view.of(self.s.req_to_token_pool.req_to_token)
 
     def _record(self, rid: str | None, kind: str, start: int, slots: list[int]) -> None:
-        req = self.recorder.reqs.get(rid)
+        req = self.state.reqs.get(rid)
         row = None if req is None else req_kv(req).req_pool_idx
         own = [] if row is None else self._req_to_token()[row, start:start + len(slots)].tolist()
         # The other live requests' slots and the allocator's free ones, read at the first
@@ -177,7 +180,7 @@ class KvPoolRecorder:
                 else:
                     target = "cached"
             # a tuple in the table's column order (``frames.COLUMNS``)
-            rows.append(("kv_syncs", (self.recorder.step, rid, kind, position, slot, target,
+            rows.append(("kv_syncs", (self.state.step, rid, kind, position, slot, target,
                                       owner)))
         self.emit(("rows", rows, []))
 
@@ -193,7 +196,7 @@ class KvPoolRecorder:
             return
         model_free = isinstance(pool, ModelFreeKvPool)
         rows = []
-        for rid, req in self.recorder.reqs.items():
+        for rid, req in self.state.reqs.items():
             tokens = list(req.origin_input_ids) + list(req.output_ids)
             slots = self._radix_slots(tokens)
             if not slots:

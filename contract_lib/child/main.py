@@ -242,7 +242,7 @@ def _build(spec: RunSpec, family: SGLangFamily, emit, timing: dict[str, float]):
     if loop_spec.mlx and spec.capture:  # either runner's pool
         from contract_lib.child.kvpool import KvPoolRecorder
 
-        kv_recorder = KvPoolRecorder(scheduler, recorder, emit, model_dir)
+        kv_recorder = KvPoolRecorder(recorder.state, model_dir)
         kv_recorder.install()
     return scheduler, recorder, kv_recorder
 

@@ -36,10 +36,12 @@ queue), scripted requests go into its ``inbox``, the registry wraps its
 :meth:`Recorder.on_torch_launch`. Its in-flight work is its one-step lookahead
 (``async_pending``): ``steps.enable_overlap`` and ``result_queue_len`` record it there.
 
-Modules: :mod:`.recorder` (state, the step boundary, feed and stop), built from
-:mod:`.hooks` (installing the hooks), :mod:`.launches` (launch and relay rows) and
-:mod:`.snapshot` (the step-boundary frame); :mod:`.backend_state` (clause 7's table);
-:mod:`.evictions` (the allocator's evictions); :mod:`.batches` (helpers reading SGLang's batches and allocator).
+Modules: :mod:`.recorder` (the step boundary, feed and stop), built from parts over
+:mod:`.state` (the run's shared state, declared): :mod:`.hooks` (installing the hooks),
+:mod:`.launches` (launch and relay rows), :mod:`.row_writes` (who wrote each
+``req_to_token`` entry) and :mod:`.snapshot` (the step-boundary frame);
+:mod:`.backend_state` (clause 7's table); :mod:`.evictions` (the allocator's evictions);
+:mod:`.batches` (helpers reading SGLang's batches and allocator).
 """
 
 from contract_lib.lazy import lazy_getattr
@@ -50,7 +52,9 @@ from contract_lib.lazy import lazy_getattr
 _MODULE_OF = {
     "BackendStateRecorder": "backend_state",
     "free_slot_mask": "batches",
+    "NumpyView": "batches",
     "Recorder": "recorder",
+    "RunState": "state",
     "StepBudgetExceeded": "recorder",
     "StopRun": "recorder",
 }
