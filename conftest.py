@@ -1,7 +1,7 @@
 """Whole-session set-up for tests/ and notebooks/: the warm servers of this test session
-live in a temporary directory of their own (inherited by CLI subprocesses and notebook
-kernels, so they share them) and are stopped when the session ends: pytest never leaves
-a server behind, and never uses or stops the user's."""
+live in a temporary directory of their own (inherited by xdist's workers, CLI
+subprocesses and notebook kernels, so they share them) and are stopped when the session
+ends: pytest never leaves a server behind, and never uses or stops the user's."""
 
 from __future__ import annotations
 
@@ -18,7 +18,18 @@ _saved: dict[str, str | None] = {}
 _prestarts: list = []
 
 
+def _xdist_worker() -> bool:
+    """This process is a pytest-xdist worker (its controller made the server directory)."""
+    return "PYTEST_XDIST_WORKER" in os.environ
+
+
 def pytest_configure(config):
+    # One directory for the whole session: xdist's workers inherit the controller's, so
+    # both fork from one server per SGLang folder (each server start imports SGLang,
+    # ~6.5 s of CPU), as CLI subprocesses and notebook kernels already did. A test that
+    # kills or stops a server uses a directory of its own (test_server's ``servers``).
+    if _xdist_worker() and os.environ.get(pool.SERVER_DIR_ENV):
+        return
     directory = tempfile.mkdtemp(prefix="contract_lib-servers-")
     for name, value in ((pool.SERVER_DIR_ENV, directory),
                         # A release's server exits two minutes after its last run, not
@@ -52,9 +63,11 @@ def pytest_collection_finish(session):
 
 
 def pytest_unconfigure(config):
-    directory = Path(os.environ[pool.SERVER_DIR_ENV])
     for thread in _prestarts:  # a server still starting would be missed by stop_all
         thread.join()
+    if not _saved:  # an xdist worker: the other may still run; its controller stops them
+        return
+    directory = Path(os.environ[pool.SERVER_DIR_ENV])
     servers.stop_all(directory)
     shutil.rmtree(directory, ignore_errors=True)
     for name, value in _saved.items():

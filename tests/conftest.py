@@ -7,7 +7,9 @@ import copy
 import functools
 import importlib
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,24 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 def _cached_run(workload: str, loop: str, patch: str | None, runner: str = "model-free",
                 sglang: str | None = None) -> contract_lib.Frames:
     return contract_lib.run(workload, loop, patch=patch, runner=runner, sglang=sglang)
+
+
+@pytest.fixture()
+def servers(monkeypatch):
+    """A server directory of the test's own, for a test that kills, stops or times out
+    servers (the session's serve both xdist workers); every server in it is stopped at
+    the end. Not under ``tmp_path``: a UNIX socket's path holds at most 107 bytes, and
+    pytest-xdist makes ``tmp_path`` long enough to pass it (the server then runs cold,
+    warning)."""
+    from contract_lib.runs import pool, servers as warm
+
+    parent = Path(tempfile.mkdtemp(prefix="contract_lib-test-"))
+    directory = parent / "servers"
+    monkeypatch.setenv(pool.SERVER_DIR_ENV, str(directory))
+    monkeypatch.delenv(pool.SERVER_SWITCH_ENV, raising=False)
+    yield directory
+    warm.stop_all(directory)
+    shutil.rmtree(parent, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -110,7 +110,9 @@ def test_key_changes_with_a_user_patch_module_source(monkeypatch, tmp_path):
     assert fingerprint.key(_spec(patch="my_triage_patch:apply")) != before
 
 
-def test_a_fork_server_dying_mid_run_is_reported_with_frames():
+def test_a_fork_server_dying_mid_run_is_reported_with_frames(servers):
+    """(In a server directory of its own: the session's servers serve the other xdist
+    worker's runs too.)"""
     import os
     import signal
     import threading

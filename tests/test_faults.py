@@ -68,8 +68,12 @@ def _run_children(root: int) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, AttributeError):
             continue
     # warm runs: children of the session's warm servers (not descendants of the parent)
+    # that ``root`` or a descendant asked for (another xdist worker shares the servers)
+    askers = {root, *(process.pid for process in descendants)}
     for status in servers.statuses():
         for pid in status["running"]:
+            if status["requesters"].get(str(pid)) not in askers:
+                continue
             try:
                 found.append(psutil.Process(pid))
             except psutil.NoSuchProcess:

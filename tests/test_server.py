@@ -9,7 +9,6 @@ its end, so no test sees another's server and none is left behind.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -40,20 +39,6 @@ def _wait_until(predicate, timeout: float, interval: float = 0.1):
             return value
         time.sleep(interval)
     return predicate()
-
-
-@pytest.fixture()
-def servers(monkeypatch):
-    """A server directory of the test's own; every server in it is stopped at the end.
-    Not under ``tmp_path``: a UNIX socket's path holds at most 107 bytes, and pytest-xdist
-    makes ``tmp_path`` long enough to pass it (the server then runs cold, warning)."""
-    parent = Path(tempfile.mkdtemp(prefix="contract_lib-test-"))
-    directory = parent / "servers"
-    monkeypatch.setenv(pool.SERVER_DIR_ENV, str(directory))
-    monkeypatch.delenv(pool.SERVER_SWITCH_ENV, raising=False)
-    yield directory
-    warm.stop_all(directory)
-    shutil.rmtree(parent, ignore_errors=True)
 
 
 def _env(directory: Path, **extra: str) -> dict[str, str]:

@@ -68,6 +68,7 @@ class WarmServer:
         self.last_active = time.monotonic()
         self.runs_served = 0
         self.runs: dict[int, socket.socket] = {}  # run pid -> its requester's connection
+        self.requesters: dict[int, int] = {}  # run pid -> its requester's pid (SO_PEERCRED)
         self.arg_kinds: dict | None = None
         self.retiring = False
         self.selector = selectors.DefaultSelector()
@@ -172,6 +173,7 @@ class WarmServer:
             if pid == 0:
                 return
             conn = self.runs.pop(pid, None)
+            self.requesters.pop(pid, None)
             self.last_active = time.monotonic()
             if conn is None:
                 continue
@@ -268,6 +270,7 @@ class WarmServer:
             _, spec, context, _fingerprint = request
             pid = self._fork(spec, context, fds)  # the caller closes this side's fds
             self.runs[pid] = conn
+            self.requesters[pid] = peer_credentials(conn)[0]
             self.runs_served += 1
             self._reply(conn, ("pid", pid))
         else:
@@ -333,7 +336,9 @@ class WarmServer:
                 "started": self.started,
                 "uptime_s": time.time() - self.started, "idle_left_s": max(idle_left, 0.0),
                 "idle_s": self.idle_s, "runs_served": self.runs_served,
-                "running": sorted(self.runs), "retiring": self.retiring}
+                "running": sorted(self.runs), "retiring": self.retiring,
+                # which process asked for each run (JSON keys are strings)
+                "requesters": {str(pid): self.requesters.get(pid) for pid in sorted(self.runs)}}
 
     def _retire(self) -> None:
         self.retiring = True
