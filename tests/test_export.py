@@ -4,11 +4,8 @@ release that patch supports; a patch that is not only source edits is refused.""
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import importlib
-import json
-import os
 import re
 import shutil
 import subprocess
@@ -116,36 +113,16 @@ def _applies_to_a_clean_tree(diff: Path, version: str, tmp_path: Path) -> None:
                           text=True).stdout.count("??") == 1  # the untracked python/
 
 
-@pytest.fixture(scope="session")
-def exported(tmp_path_factory):
-    """``exported(version)``: every built-in patch exported against ``version`` by one
-    export process (SGLang imported once), once per session: the xdist workers share
-    the result through a JSON file in the session's temporary root, which the first to
-    ask writes under a lock (diffs are text, refusals their messages)."""
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
-
-    @functools.lru_cache(maxsize=None)
-    def export(version: str) -> dict[str, str | ExportError]:
-        path = shared / f"exported-{version}.json"
-        with open(shared / f"exported-{version}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not path.exists():
-                found = export_patches(list(BUILTIN_PATCHES), version)
-                path.write_text(json.dumps({
-                    name: ["diff", value] if isinstance(value, str)
-                    else ["refused", str(value)] for name, value in found.items()}))
-            payload = json.loads(path.read_text())
-        return {name: text if kind == "diff" else ExportError(text)
-                for name, (kind, text) in payload.items()}
-
-    return export
+@functools.lru_cache(maxsize=None)
+def _exported(version: str) -> dict[str, str | ExportError]:
+    """Every built-in patch exported against ``version``, by one export process."""
+    return export_patches(list(BUILTIN_PATCHES), version)
 
 
-def _exports_and_applies(exported, name: str, version: str, tmp_path: Path) -> Path | None:
+def _exports_and_applies(name: str, version: str, tmp_path: Path) -> Path | None:
     """The patch's export on ``version`` (or its refusal, as measured), applied to a
     clean tree of that release; the diff file (None: refused)."""
-    exported = exported(version)[name]
+    exported = _exported(version)[name]
     if (name, version) in REFUSED:
         assert isinstance(exported, ExportError)
         assert re.search(re.escape(REFUSED[name, version]), str(exported))
@@ -157,9 +134,8 @@ def _exports_and_applies(exported, name: str, version: str, tmp_path: Path) -> P
     return diff
 
 
-def _exports_and_judges_as_the_patch(exported, name: str, version: str,
-                                     tmp_path: Path) -> None:
-    diff = _exports_and_applies(exported, name, version, tmp_path)
+def _exports_and_judges_as_the_patch(name: str, version: str, tmp_path: Path) -> None:
+    diff = _exports_and_applies(name, version, tmp_path)
     if diff is None:
         return
     base = f"release={version}"
@@ -172,28 +148,27 @@ def _exports_and_judges_as_the_patch(exported, name: str, version: str,
         assert first_difference(head, by_patch.runs[key][1]) == "none", key
 
 
-def test_one_patch_exports_as_in_a_batch_of_them(exported):
+def test_one_patch_exports_as_in_a_batch_of_them():
     """``export_patch`` of one patch is that patch's entry of the batch (each patch is
     recorded in a fork of its own, so no patch's changes show in another's record)."""
-    assert export_patch("no-launch-ts", "0.5.23") == exported("0.5.23")["no-launch-ts"]
+    assert export_patch("no-launch-ts", "0.5.23") == _exported("0.5.23")["no-launch-ts"]
 
 
 @pytest.mark.parametrize("name", list(BUILTIN_PATCHES))
-def test_every_builtin_patch_exports_and_its_diff_judges_as_the_patch(exported, name,
-                                                                      tmp_path):
-    _exports_and_judges_as_the_patch(exported, name, "0.5.23", tmp_path)
+def test_every_builtin_patch_exports_and_its_diff_judges_as_the_patch(name, tmp_path):
+    _exports_and_judges_as_the_patch(name, "0.5.23", tmp_path)
 
 
 @pytest.mark.releases
 @pytest.mark.parametrize("version", ["0.5.21", "0.5.22"])
 @pytest.mark.parametrize("name", list(BUILTIN_PATCHES))
-def test_on_older_releases_too(exported, name, version, tmp_path):
+def test_on_older_releases_too(name, version, tmp_path):
     """Every patch exports on the older releases (or is refused as measured) and its
     diff applies to that release's clean tree. That ``compare`` then judges the diff as
     the patch is the export's machinery, the same on every release: checked for every
     patch on 0.5.23 (above) and for one patch of each kind on each older release
     (below), each a diff server's cold start and six runs (~12 s)."""
-    _exports_and_applies(exported, name, version, tmp_path)
+    _exports_and_applies(name, version, tmp_path)
 
 
 @pytest.mark.releases
@@ -201,8 +176,8 @@ def test_on_older_releases_too(exported, name, version, tmp_path):
     ("fix-chained-accounting", "0.5.21"),  # the MLX loop's own code
     ("fix-idle-predicate", "0.5.22"),  # Scheduler code every loop runs
 ])
-def test_an_older_releases_diff_judges_as_the_patch(exported, name, version, tmp_path):
-    _exports_and_judges_as_the_patch(exported, name, version, tmp_path)
+def test_an_older_releases_diff_judges_as_the_patch(name, version, tmp_path):
+    _exports_and_judges_as_the_patch(name, version, tmp_path)
 
 
 def test_a_user_source_patch_exports_and_a_wrapper_is_refused_in_one_line():
