@@ -26,8 +26,9 @@ def _xdist_worker() -> bool:
 def pytest_configure(config):
     # One directory for the whole session: xdist's workers inherit the controller's, so
     # both fork from one server per SGLang folder (each server start imports SGLang,
-    # ~6.5 s of CPU), as CLI subprocesses and notebook kernels already did. A test that
-    # kills or stops a server uses a directory of its own (test_server's ``servers``).
+    # ~6.2 s of CPU), as CLI subprocesses and notebook kernels already did. A test that
+    # kills or stops a server uses a directory of its own (the ``servers`` fixture,
+    # tests/conftest.py).
     if _xdist_worker() and os.environ.get(pool.SERVER_DIR_ENV):
         return
     directory = tempfile.mkdtemp(prefix="contract_lib-servers-")

@@ -171,6 +171,9 @@ def test_server_stop_kills_its_runs_and_the_run_keeps_its_frames(servers):
     thread.start()
     run_pid = _hung_run(servers)
     (status,) = warm.statuses(servers)
+    busy = subprocess.run([sys.executable, "-m", "contract_lib", "server", "status"],
+                          cwd=PROJECT_ROOT, env=_env(servers), capture_output=True, text=True)
+    assert f"busy, 1 running (asked by pid {os.getpid()})" in busy.stdout, busy.stdout
     stopped = subprocess.run([sys.executable, "-m", "contract_lib", "server", "stop"],
                              cwd=PROJECT_ROOT, env=_env(servers), capture_output=True,
                              text=True, timeout=60)

@@ -338,7 +338,8 @@ class WarmServer:
                 "idle_s": self.idle_s, "runs_served": self.runs_served,
                 "running": sorted(self.runs), "retiring": self.retiring,
                 # which process asked for each run (JSON keys are strings)
-                "requesters": {str(pid): self.requesters.get(pid) for pid in sorted(self.runs)}}
+                "requesters": {str(pid): self.requesters.get(pid)
+                               for pid in sorted(self.runs)}}
 
     def _retire(self) -> None:
         self.retiring = True

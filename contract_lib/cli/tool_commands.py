@@ -135,7 +135,10 @@ def cmd_server(args) -> int:
         state = ("retiring" if status["retiring"] else
                  "stale (SGLang's files or the library changed; replaced on the next run)"
                  if status["fingerprint"] != current else "current")
-        idle = ("busy, " + f"{len(status['running'])} running" if status["running"] else
+        askers = sorted({pid for pid in (status.get("requesters") or {}).values() if pid})
+        idle = (f"busy, {len(status['running'])} running"
+                + (f" (asked by pid {', '.join(map(str, askers))})" if askers else "")
+                if status["running"] else
                 f"exits in {_duration(status['idle_left_s'])} if idle")
         print(f"pid {status['pid']}: sglang {status['sglang_version']} from "
               f"{status['sglang_dir'] or 'the venv'}, up {_duration(status['uptime_s'])}, "

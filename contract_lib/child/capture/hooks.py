@@ -198,9 +198,10 @@ class HookInstaller:
         worker.finalize_mlx_result = finalize_mlx_result
 
     def _install_mlx_produced_hooks(self, runner) -> None:
-        """Note each token the MLX runner's finalize calls return, by request id (in
-        ``produced``): what the model produced, whatever the worker makes of it. A
-        release whose runner lacks one of them leaves its lanes unrecorded."""
+        """Note each token the MLX runner's finalize calls return, by request id
+        (:meth:`LaunchRecorder.note_produced`): what the model produced, whatever the
+        worker makes of it. A release whose runner lacks one of them leaves its lanes
+        unrecorded."""
         def noting(real, rids_of):
             def finalize(pending, *args, **kwargs):
                 tokens = real(pending, *args, **kwargs)
