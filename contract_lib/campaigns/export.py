@@ -15,6 +15,7 @@ patch itself (``tests/test_export.py``).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import inspect
@@ -137,7 +138,8 @@ def _diff(root: Path, edits: list[Edit], where: str) -> str:
                 if lines[start:start + len(original)] != original:
                     raise ExportError(f"{file} on disk differs from the code {where} "
                                       f"imported at line {edit.line}")
-                lines[start:start + len(original)] = _reindented(edit.original, edit.text)
+                lines[start:start + len(original)] = _as_compiled(
+                    edit, _reindented(edit.original, edit.text), file)
             for side, content in (("a", text), ("b", "".join(lines))):
                 path = Path(tmp) / side / "python" / file
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -153,6 +155,23 @@ def _diff(root: Path, edits: list[Edit], where: str) -> str:
     if done.returncode not in (0, 1):
         raise ExportError(f"git diff failed: {done.stderr.strip()}")
     return done.stdout
+
+
+def _as_compiled(edit: Edit, lines: list[str], file: str) -> list[str]:
+    """``lines``, the diff's text of ``edit``, once read back as ``patch_source`` reads a
+    function (dedented) they are the code the patch compiles: the same syntax tree
+    (positions aside). Else the diff would run other code than the patch, and the export
+    says where instead of writing it."""
+    margin = edit.original[:len(edit.original) - len(edit.original.lstrip())]
+    try:
+        written = ast.dump(ast.parse(textwrap.dedent("".join(lines))))
+    except SyntaxError as exc:
+        written = f"SyntaxError: {exc.msg}"
+    if (not lines[0].startswith(margin) or lines[0][len(margin)] == " "
+            or written != ast.dump(ast.parse(edit.text))):
+        raise ExportError(f"{file}:{edit.line}: the diff's text of this function is not "
+                          "the code the patch compiles (re-indented differently)")
+    return lines
 
 
 def _reindented(original: str, text: str) -> list[str]:
