@@ -43,14 +43,20 @@ def pytest_configure(config):
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: scripts/test runs two workers
 def pytest_xdist_make_scheduler(config, log):
     """Tests spread one by one over the workers, but a notebook's cells, which share one
-    kernel in order, all on one worker. (xdist's ``loadgroup`` cannot say this: it marks
-    a group in ``item._nodeid``, which nbval's cells do not report as their nodeid.)"""
+    kernel in order, all on one worker, and so are a test class's tests, which share its
+    class-scoped fixtures (a private warm server: tests/test_server.py). (xdist's
+    ``loadgroup`` cannot say this: it marks a group in ``item._nodeid``, which nbval's
+    cells do not report as their nodeid.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class NotebooksWhole(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return path if path.endswith(".ipynb") else nodeid
+            path, _, rest = nodeid.partition("::")
+            if path.endswith(".ipynb"):
+                return path
+            if rest.startswith("Test") and "::" in rest:  # a class's test
+                return f"{path}::{rest.split('::', 1)[0]}"
+            return nodeid
 
     return NotebooksWhole(config, log)
 

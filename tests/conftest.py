@@ -3,6 +3,7 @@ and the committed frames of such runs (``tests/fixtures``) for the fast tier."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import importlib
@@ -27,22 +28,41 @@ def _cached_run(workload: str, loop: str, patch: str | None, runner: str = "mode
     return contract_lib.run(workload, loop, patch=patch, runner=runner, sglang=sglang)
 
 
-@pytest.fixture()
-def servers(monkeypatch):
-    """A server directory of the test's own, for a test that kills, stops or times out
-    servers (the session's serve both xdist workers); every server in it is stopped at
-    the end. Not under ``tmp_path``: a UNIX socket's path holds at most 107 bytes, and
-    pytest-xdist makes ``tmp_path`` long enough to pass it (the server then runs cold,
-    warning)."""
+@contextlib.contextmanager
+def _private_servers():
+    """A server directory of its own (``CONTRACT_LIB_SERVER_DIR``, servers switched on);
+    every server in it is stopped at the end. Not under ``tmp_path``: a UNIX socket's path
+    holds at most 107 bytes, and pytest-xdist makes ``tmp_path`` long enough to pass it
+    (the server then runs cold, warning)."""
     from contract_lib.runs import pool, servers as warm
 
     parent = Path(tempfile.mkdtemp(prefix="contract_lib-test-"))
     directory = parent / "servers"
-    monkeypatch.setenv(pool.SERVER_DIR_ENV, str(directory))
-    monkeypatch.delenv(pool.SERVER_SWITCH_ENV, raising=False)
-    yield directory
-    warm.stop_all(directory)
-    shutil.rmtree(parent, ignore_errors=True)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(pool.SERVER_DIR_ENV, str(directory))
+            patch.delenv(pool.SERVER_SWITCH_ENV, raising=False)
+            yield directory
+    finally:
+        warm.stop_all(directory)
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+@pytest.fixture()
+def servers():
+    """A server directory of the test's own, for a test that starts, kills, stops or
+    times out servers (the session's serve both xdist workers)."""
+    with _private_servers() as directory:
+        yield directory
+
+
+@pytest.fixture(scope="class")
+def class_servers():
+    """A server directory shared by a test class's tests (a class runs whole on one
+    worker: conftest.py), for tests that run on a private server but do not start, stop
+    or replace it: one server start (~6 s of CPU) for them all."""
+    with _private_servers() as directory:
+        yield directory
 
 
 @pytest.fixture(scope="session")

@@ -2,8 +2,9 @@
 threads, idle exit, ``server stop``/``status``, stale-file restart, a killed requester,
 two processes starting it at once, and the cold fallbacks.
 
-Each test uses a server directory of its own (``CONTRACT_LIB_SERVER_DIR``), stopped at
-its end, so no test sees another's server and none is left behind.
+Each test that starts, stops or replaces a server uses a server directory of its own
+(``CONTRACT_LIB_SERVER_DIR``), stopped at its end, so no test sees another's server and
+none is left behind; the tests that only run on one share a directory of their class's.
 """
 
 from __future__ import annotations
@@ -69,24 +70,6 @@ def _hung_run(directory: Path) -> int:
 # -- shared by processes and threads -------------------------------------------------------
 
 
-def test_later_processes_and_the_cli_fork_from_the_same_server(servers):
-    first = contract_lib.run("single-decode", "normal", cache=False)
-    (status,) = warm.statuses(servers)
-    assert first.status == "finished" and status["runs_served"] == 1
-    started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "contract_lib", "check", "--loop", "normal",
-                           "--workload", "single-decode", "--no-cache", "--clauses", "rfc"],
-                          cwd=PROJECT_ROOT, env=_env(servers), capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert time.monotonic() - started < 15  # no SGLang import in the command
-    (after,) = warm.statuses(servers)
-    assert after["pid"] == status["pid"] and after["runs_served"] == 2
-    shown = subprocess.run([sys.executable, "-m", "contract_lib", "server", "status"],
-                           cwd=PROJECT_ROOT, env=_env(servers), capture_output=True, text=True)
-    assert f"pid {status['pid']}: sglang" in shown.stdout and "2 runs served" in shown.stdout
-    assert "current" in shown.stdout and "exits in" in shown.stdout
-
-
 def test_server_start_warms_the_server_the_next_run_forks_from(servers):
     """``server start`` returns once the server listens; the next command's run is
     forked from it (the same pid), not from a replacement."""
@@ -110,29 +93,6 @@ def test_server_start_warms_the_server_the_next_run_forks_from(servers):
                          cwd=PROJECT_ROOT, env=_env(servers, **{pool.SERVER_SWITCH_ENV: "off"}),
                          capture_output=True, text=True)
     assert off.returncode == 2 and "switched off" in off.stderr
-
-
-def test_concurrent_threads_share_one_server(servers):
-    results = run_many([{"workload": "two-turn", "loop": loop, "cache": False}
-                        for loop in ("normal", "overlap", "mlx") for _ in range(3)],
-                       workers=8, progress=False)
-    assert [r.status for r in results] == ["finished"] * 9
-    (status,) = warm.statuses(servers)
-    assert status["runs_served"] == 9
-    assert len(list(servers.glob("*.sock"))) == 1
-
-
-def test_a_run_that_sent_its_end_is_let_go_and_reaped_by_its_server(servers, monkeypatch):
-    """``run`` returns once the run sent its end, without waiting for its exit; the
-    server kills (if need be) and reaps the process, so none is left behind."""
-    released = []
-    real_release = pool.WarmChild.release
-    monkeypatch.setattr(pool.WarmChild, "release",
-                        lambda child: released.append(child.pid) or real_release(child))
-    frames = contract_lib.run("two-turn", "normal", cache=False)
-    assert frames.status == "finished" and released
-    assert _wait_until(lambda: not _alive(released[0])
-                       and not warm.statuses(servers)[0]["running"], 5)
 
 
 def test_two_processes_starting_a_server_at_once_share_it(servers):
@@ -187,19 +147,6 @@ def test_server_stop_kills_its_runs_and_the_run_keeps_its_frames(servers):
     shown = subprocess.run([sys.executable, "-m", "contract_lib", "server", "status"],
                            cwd=PROJECT_ROOT, env=_env(servers), capture_output=True, text=True)
     assert "no warm server running" in shown.stdout
-
-
-def test_a_run_dies_with_the_process_that_asked_for_it(servers):
-    requester = _api_run(servers, f"contract_lib.run('two-turn', 'normal', patch={HANG!r}, "
-                                  "cache=False)")
-    run_pid = _hung_run(servers)
-    (status,) = warm.statuses(servers)
-    os.kill(requester.pid, signal.SIGKILL)
-    requester.communicate()
-    assert _wait_until(lambda: not _alive(run_pid) and not warm.statuses(servers)[0]["running"],
-                       5), "the run outlived its requester"
-    (after,) = warm.statuses(servers)  # the server stays, idle, for the next command
-    assert after["pid"] == status["pid"] and after["runs_served"] == 1
 
 
 def test_a_server_of_other_library_files_is_replaced(servers, monkeypatch, tmp_path):
@@ -260,20 +207,13 @@ def test_the_server_key_separates_releases_and_sglang_environments(monkeypatch):
     assert pool.server_key(None) != venv
 
 
-def test_a_warm_run_imports_a_patch_from_the_requesters_path(servers, tmp_path, monkeypatch):
-    contract_lib.run("single-decode", "normal", cache=False)  # the server starts first
-    folder = tmp_path / "late"
-    folder.mkdir()
-    (folder / "late_patch.py").write_text(
-        "def apply():\n    raise RuntimeError('the late patch ran')\n")
-    monkeypatch.syspath_prepend(str(folder))  # as a notebook adding a folder later
-    frames = contract_lib.run("single-decode", "normal", patch="late_patch:apply",
-                              cache=False)
-    assert "the late patch ran" in frames.error["message"]
-    assert warm.statuses(servers)[0]["runs_served"] == 2
+# -- runs on one private server: started once for the class, never stopped by a test ------
 
 
-# -- what a run leaves behind -------------------------------------------------------------------
+def _served(directory: Path) -> int:
+    """The runs the directory's one server has served so far (0: none runs yet)."""
+    found = warm.statuses(directory)
+    return found[0]["runs_served"] if found else 0
 
 
 _FAILING_BUILD = """def apply():
@@ -288,33 +228,111 @@ _FAILING_BUILD = """def apply():
 """
 
 
-@pytest.mark.parametrize("build", ["built", "failed"])
-@pytest.mark.parametrize("switch", ["on", "off"])
-def test_a_run_leaves_nothing_in_the_temporary_folder(servers, monkeypatch, tmp_path, switch,
-                                                       build):
-    """SGLang's ``PortArgs.init_new`` takes five IPC names with
-    ``NamedTemporaryFile(delete=False)`` per Scheduler and never removes them (154,000
-    such files had piled up in this machine's /tmp): the run removes them once its
-    Scheduler is built or its build failed, warm (forked: it follows the requester's
-    ``TMPDIR``) or cold."""
-    monkeypatch.setenv(pool.SERVER_SWITCH_ENV, switch)
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
-    monkeypatch.setenv("TMPDIR", str(scratch))  # the server's and a cold child's
-    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # this process's
-    patch = None
-    if build == "failed":
-        folder = tmp_path / "patches"
+class TestOnePrivateServer:
+    """Runs on a warm server that none of these tests starts, stops or replaces: they
+    share one server directory of their own (``class_servers``; the class runs whole on
+    one worker), each counting the runs it adds."""
+
+    def test_later_processes_and_the_cli_fork_from_the_same_server(self, class_servers):
+        servers, before = class_servers, _served(class_servers)
+        first = contract_lib.run("single-decode", "normal", cache=False)
+        (status,) = warm.statuses(servers)
+        assert first.status == "finished" and status["runs_served"] == before + 1
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "contract_lib", "check", "--loop",
+                               "normal", "--workload", "single-decode", "--no-cache",
+                               "--clauses", "rfc"], cwd=PROJECT_ROOT, env=_env(servers),
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        assert time.monotonic() - started < 15  # no SGLang import in the command
+        (after,) = warm.statuses(servers)
+        assert after["pid"] == status["pid"] and after["runs_served"] == before + 2
+        shown = subprocess.run([sys.executable, "-m", "contract_lib", "server", "status"],
+                               cwd=PROJECT_ROOT, env=_env(servers), capture_output=True,
+                               text=True)
+        assert f"pid {status['pid']}: sglang" in shown.stdout
+        assert f"{before + 2} runs served" in shown.stdout
+        assert "current" in shown.stdout and "exits in" in shown.stdout
+
+    def test_concurrent_threads_share_one_server(self, class_servers):
+        before = _served(class_servers)
+        results = run_many([{"workload": "two-turn", "loop": loop, "cache": False}
+                            for loop in ("normal", "overlap", "mlx") for _ in range(3)],
+                           workers=8, progress=False)
+        assert [r.status for r in results] == ["finished"] * 9
+        (status,) = warm.statuses(class_servers)
+        assert status["runs_served"] == before + 9
+        assert len(list(class_servers.glob("*.sock"))) == 1
+
+    def test_a_run_that_sent_its_end_is_let_go_and_reaped_by_its_server(
+            self, class_servers, monkeypatch):
+        """``run`` returns once the run sent its end, without waiting for its exit; the
+        server kills (if need be) and reaps the process, so none is left behind."""
+        released = []
+        real_release = pool.WarmChild.release
+        monkeypatch.setattr(pool.WarmChild, "release",
+                            lambda child: released.append(child.pid) or real_release(child))
+        frames = contract_lib.run("two-turn", "normal", cache=False)
+        assert frames.status == "finished" and released
+        assert _wait_until(lambda: not _alive(released[0])
+                           and not warm.statuses(class_servers)[0]["running"], 5)
+
+    def test_a_run_dies_with_the_process_that_asked_for_it(self, class_servers):
+        before = _served(class_servers)
+        requester = _api_run(class_servers, f"contract_lib.run('two-turn', 'normal', "
+                                            f"patch={HANG!r}, cache=False)")
+        run_pid = _hung_run(class_servers)
+        (status,) = warm.statuses(class_servers)
+        assert status["runs_served"] == before + 1
+        os.kill(requester.pid, signal.SIGKILL)
+        requester.communicate()
+        assert _wait_until(lambda: not _alive(run_pid)
+                           and not warm.statuses(class_servers)[0]["running"], 5), (
+            "the run outlived its requester")
+        (after,) = warm.statuses(class_servers)  # the server stays, idle, for the next
+        assert after["pid"] == status["pid"] and after["runs_served"] == before + 1
+
+    def test_a_warm_run_imports_a_patch_from_the_requesters_path(self, class_servers,
+                                                                 tmp_path, monkeypatch):
+        contract_lib.run("single-decode", "normal", cache=False)  # the server runs first
+        before = _served(class_servers)
+        folder = tmp_path / "late"
         folder.mkdir()
-        (folder / "failing_build.py").write_text(_FAILING_BUILD)
-        monkeypatch.syspath_prepend(str(folder))
-        patch = "failing_build:apply"
-    frames = contract_lib.run("single-decode", "normal", patch=patch, cache=False)
-    if build == "failed":
-        assert "the build failed" in frames.error["message"]
-    else:
-        assert frames.status == "finished"
-    assert sorted(path.name for path in scratch.iterdir()) == []
+        (folder / "late_patch.py").write_text(
+            "def apply():\n    raise RuntimeError('the late patch ran')\n")
+        monkeypatch.syspath_prepend(str(folder))  # as a notebook adding a folder later
+        frames = contract_lib.run("single-decode", "normal", patch="late_patch:apply",
+                                  cache=False)
+        assert "the late patch ran" in frames.error["message"]
+        assert _served(class_servers) == before + 1
+
+    @pytest.mark.parametrize("build", ["built", "failed"])
+    @pytest.mark.parametrize("switch", ["on", "off"])
+    def test_a_run_leaves_nothing_in_the_temporary_folder(self, class_servers, monkeypatch,
+                                                          tmp_path, switch, build):
+        """SGLang's ``PortArgs.init_new`` takes five IPC names with
+        ``NamedTemporaryFile(delete=False)`` per Scheduler and never removes them (154,000
+        such files had piled up in this machine's /tmp): the run removes them once its
+        Scheduler is built or its build failed, warm (forked: it follows the requester's
+        ``TMPDIR``) or cold."""
+        monkeypatch.setenv(pool.SERVER_SWITCH_ENV, switch)
+        scratch = tmp_path / "tmp"
+        scratch.mkdir()
+        monkeypatch.setenv("TMPDIR", str(scratch))  # the requester's and a cold child's
+        monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # this process's
+        patch = None
+        if build == "failed":
+            folder = tmp_path / "patches"
+            folder.mkdir()
+            (folder / "failing_build.py").write_text(_FAILING_BUILD)
+            monkeypatch.syspath_prepend(str(folder))
+            patch = "failing_build:apply"
+        frames = contract_lib.run("single-decode", "normal", patch=patch, cache=False)
+        if build == "failed":
+            assert "the build failed" in frames.error["message"]
+        else:
+            assert frames.status == "finished"
+        assert sorted(path.name for path in scratch.iterdir()) == []
 
 
 # -- import cost ------------------------------------------------------------------------------
