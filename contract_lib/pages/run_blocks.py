@@ -7,6 +7,8 @@ reproduces it where a command exists.
 
 from __future__ import annotations
 
+import functools
+
 from contract_lib.pages.generators import generator, md_table
 
 
@@ -23,6 +25,17 @@ def _runs(names: str, workload: str):
                                        sglang=sglang or None))
         labels.append(loop_patch.replace(":", " + ") + (f" (sglang {sglang})" if sglang else ""))
     return frames, labels
+
+
+@functools.lru_cache(maxsize=None)
+def _measured(loops: str, patch: str, runner: str, sglang: str, clauses: str):
+    """``status`` over the shipped workloads (``loops`` comma-separated, "" the default
+    ones), once per argument set in a process: the docs show a table in one block and
+    quote its cells in others."""
+    from contract_lib.campaigns.status import status
+
+    return status(loops=tuple(loops.split(",")) if loops else None, patch=patch or None,
+                  progress=False, runner=runner, sglang=sglang or None, clauses=clauses)
 
 
 def _command(loops: list[str], sglang: list[str], patch: str, runner: str,
@@ -78,10 +91,7 @@ def _refused(statuses) -> list[str]:
 def status_block(loops: str = "", sglang: str = "", patch: str = "",
                  runner: str = "model-free", clauses: str = "all") -> str:
     """The clause x loop table of ``status`` over the shipped workloads."""
-    from contract_lib.campaigns.status import status
-
-    measured = status(loops=tuple(loops.split(",")) if loops else None, patch=patch or None,
-                      progress=False, runner=runner, sglang=sglang or None, clauses=clauses)
+    measured = _measured(loops, patch, runner, sglang, clauses)
     table = measured.table()
     rows = _section_rows(list(table.index), len(table.columns) + 1)
     for row in rows:
@@ -99,10 +109,7 @@ def cell_workloads_phrase(loops: str, loop: str, clause: str, status: str,
                           patch: str = "") -> str:
     """The workloads on which ``clause`` shows ``status`` on ``loop`` in the ``status``
     table of ``loops`` (a phrase: `a`, `b`)."""
-    from contract_lib.campaigns.status import status as measure
-
-    cells = measure(loops=tuple(loops.split(",")), patch=patch or None,
-                    progress=False).per_run()
+    cells = _measured(loops, patch, "model-free", "", "all").per_run()
     hits = cells[(cells["loop"] == loop) & (cells["clause"] == int(clause))
                  & (cells["status"] == status.replace("_", " "))]
     return ", ".join(f"`{w}`" for w in hits["workload"]) or "none"
