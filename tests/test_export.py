@@ -22,7 +22,6 @@ from contract_lib.campaigns.export import (
     Recorder,
     _diff,
     _reindented,
-    export_patch,
     export_patches,
 )
 from contract_lib.patches.builtin import BUILTIN_PATCHES
@@ -175,12 +174,6 @@ def _exports_and_judges_as_the_patch(name: str, version: str, tmp_path: Path) ->
         assert first_difference(head, by_patch.runs[key][1]) == "none", key
 
 
-def test_one_patch_exports_as_in_a_batch_of_them():
-    """``export_patch`` of one patch is that patch's entry of the batch (each patch is
-    recorded in a fork of its own, so no patch's changes show in another's record)."""
-    assert export_patch("no-launch-ts", "0.5.23") == _exported("0.5.23")["no-launch-ts"]
-
-
 @pytest.mark.parametrize("name", list(BUILTIN_PATCHES))
 def test_every_builtin_patch_exports_and_applies_to_a_clean_tree(name, tmp_path):
     """Each patch's diff (its every function, read back, the code the patch compiles:
@@ -240,7 +233,10 @@ def test_a_user_source_patch_exports_and_a_wrapper_is_refused_in_one_line():
 
 def test_a_patch_that_raises_fails_alone_in_its_batch(tmp_path, monkeypatch):
     """A patch that raises while it is recorded is that patch's error, in one line; the
-    other patches of the batch still export (each is recorded in a fork of its own)."""
+    other patches of the batch still export (each is recorded in a fork of its own), each
+    as it exports in any other batch (here: in the batch of every built-in). A single
+    patch's export (``export_patch``, what ``patch export`` and ``report --fix`` call) is
+    a batch of one: tests/test_report.py."""
     (tmp_path / "raising_patch.py").write_text(
         "def boom():\n    raise RuntimeError('kaboom')\n")
     monkeypatch.syspath_prepend(str(tmp_path))  # a user patch, found on the path
@@ -248,3 +244,4 @@ def test_a_patch_that_raises_fails_alone_in_its_batch(tmp_path, monkeypatch):
     assert str(exported["raising_patch:boom"]) == (
         "patch 'raising_patch:boom': the export process failed: RuntimeError: kaboom")
     assert exported["no-launch-ts"].startswith("diff --git a/python/sglang/")
+    assert exported["no-launch-ts"] == _exported("0.5.23")["no-launch-ts"]

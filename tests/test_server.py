@@ -183,12 +183,6 @@ def test_a_server_of_an_edited_source_tree_is_replaced(servers):
 # -- cold fallbacks ---------------------------------------------------------------------------
 
 
-def test_servers_switched_off_run_cold(servers, monkeypatch):
-    monkeypatch.setenv(pool.SERVER_SWITCH_ENV, "off")
-    assert contract_lib.run("single-decode", "normal", cache=False).status == "finished"
-    assert not servers.exists() or not list(servers.glob("*.sock"))
-
-
 def test_an_unusable_server_directory_warns_once_and_runs_cold(servers, monkeypatch):
     servers.parent.mkdir(parents=True, exist_ok=True)
     servers.write_text("a file where the server directory should be\n")
@@ -314,7 +308,7 @@ class TestOnePrivateServer:
         ``NamedTemporaryFile(delete=False)`` per Scheduler and never removes them (154,000
         such files had piled up in this machine's /tmp): the run removes them once its
         Scheduler is built or its build failed, warm (forked: it follows the requester's
-        ``TMPDIR``) or cold."""
+        ``TMPDIR``) or cold. Switched off, a run goes cold: no server starts or is asked."""
         monkeypatch.setenv(pool.SERVER_SWITCH_ENV, switch)
         scratch = tmp_path / "tmp"
         scratch.mkdir()
@@ -327,7 +321,10 @@ class TestOnePrivateServer:
             (folder / "failing_build.py").write_text(_FAILING_BUILD)
             monkeypatch.syspath_prepend(str(folder))
             patch = "failing_build:apply"
+        before = _served(class_servers), sorted(class_servers.glob("*.sock"))
         frames = contract_lib.run("single-decode", "normal", patch=patch, cache=False)
+        if switch == "off":  # the run went cold: no server started or asked
+            assert (_served(class_servers), sorted(class_servers.glob("*.sock"))) == before
         if build == "failed":
             assert "the build failed" in frames.error["message"]
         else:
