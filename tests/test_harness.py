@@ -210,8 +210,8 @@ def test_a_set_up_that_lost_the_port_race_starts_again(monkeypatch, tmp_path):
     monkeypatch.setenv("CONTRACT_LIB_TEST_TAKEN_PORT", str(taken.getsockname()[1]))
     monkeypatch.setenv("CONTRACT_LIB_TEST_PORT_MARKER", str(marker))
     monkeypatch.setenv("CONTRACT_LIB_TEST_PORT_LOSSES", "2")
-    with taken:  # a cold child: the environment above reaches it
-        frames = contract_lib.run("two-turn", "normal", cache=False, warm=False,
+    with taken:  # each start forked from the warm server, in this environment
+        frames = contract_lib.run("two-turn", "normal", cache=False,
                                   patch="user_patches:lose_the_port_race_until_the_marker")
     assert frames.status == "finished", frames.error
     assert len(marker.read_text().splitlines()) == 2 and frames.meta["steps"] > 0
