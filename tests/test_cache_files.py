@@ -112,8 +112,8 @@ def test_editing_a_helper_module_of_a_user_patch_runs_again(private_cache, tmp_p
     monkeypatch.syspath_prepend(str(tmp_path))
     patch = f"cf_patch_{tag}:apply"
 
-    def run():  # cold: a warm fork server started before this test lacks tmp_path
-        return contract_lib.run("single-decode", "normal", patch=patch, warm=False)
+    def run():  # warm: the run imports with this process's sys.path
+        return contract_lib.run("single-decode", "normal", patch=patch)
 
     first = run()
     assert first.status == "finished" and "cached" not in first.meta
@@ -141,9 +141,8 @@ def test_a_helper_shadowed_on_the_path_runs_again(private_cache, tmp_path, monke
     (shadow_dir / f"cf_helper_{tag}.py").write_text("OFFSET = 1\n")
     monkeypatch.syspath_prepend(str(first_dir))
 
-    def run():  # cold: the child imports with this process's sys.path
-        return contract_lib.run("single-decode", "normal", patch=f"cf_patch_{tag}:apply",
-                                warm=False)
+    def run():  # warm: the run imports with this process's sys.path
+        return contract_lib.run("single-decode", "normal", patch=f"cf_patch_{tag}:apply")
 
     assert _offsets(run()) == {0} and run().meta.get("cached") is True
     monkeypatch.syspath_prepend(str(shadow_dir))
