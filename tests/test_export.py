@@ -174,39 +174,6 @@ def _exports_and_judges_as_the_patch(name: str, version: str, tmp_path: Path) ->
         assert first_difference(head, by_patch.runs[key][1]) == "none", key
 
 
-@pytest.mark.parametrize("name", list(BUILTIN_PATCHES))
-def test_every_builtin_patch_exports_and_applies_to_a_clean_tree(name, tmp_path):
-    """Each patch's diff (its every function, read back, the code the patch compiles:
-    the export checks it, see test_an_edit_re_indented_into_other_code_is_refused) applies
-    to the clean tree of the venv's release, or the patch is refused as measured."""
-    _exports_and_applies(name, "0.5.23", tmp_path)
-
-
-@pytest.mark.releases
-@pytest.mark.parametrize("version", ["0.5.21", "0.5.22"])
-@pytest.mark.parametrize("name", list(BUILTIN_PATCHES))
-def test_on_older_releases_too(name, version, tmp_path):
-    """The same on the older releases the suite installs."""
-    _exports_and_applies(name, version, tmp_path)
-
-
-# That ``compare`` judges a diff exactly as its patch is the export's machinery (a
-# source tree of the diff, a server of its own, the same runs), the same for every
-# patch: what differs between patches is their code, which the export checks for every
-# one (above). Judged here for one patch of each kind of code, each a diff server's cold
-# start and six runs (~10 s); until 2026-12-05 every built-in was judged on 0.5.23 too,
-# which repeated that machinery nine more times.
-@pytest.mark.parametrize("name, version", [
-    ("fix-chained-accounting", "0.5.23"),  # the MLX loop's own code
-    ("fix-idle-predicate", "0.5.23"),  # Scheduler code every loop runs
-    ("fix-backend-state", "0.5.23"),  # four edits in two files, one adding a method
-    pytest.param("fix-chained-accounting", "0.5.21", marks=pytest.mark.releases),
-    pytest.param("fix-idle-predicate", "0.5.22", marks=pytest.mark.releases),
-])
-def test_a_diff_judges_as_its_patch(name, version, tmp_path):
-    _exports_and_judges_as_the_patch(name, version, tmp_path)
-
-
 def test_a_user_source_patch_exports_and_a_wrapper_is_refused_in_one_line():
     """``module:callable`` patches: patch_source edits export (the function patched in
     place); one that replaces a module function, or wraps a method, says what it does
@@ -231,17 +198,51 @@ def test_a_user_source_patch_exports_and_a_wrapper_is_refused_in_one_line():
     assert done.stderr == f"error: {refusals['leak_on_finish']}\n"
 
 
-def test_a_patch_that_raises_fails_alone_in_its_batch(tmp_path, monkeypatch):
-    """A patch that raises while it is recorded is that patch's error, in one line; the
-    other patches of the batch still export (each is recorded in a fork of its own), each
-    as it exports in any other batch (here: in the batch of every built-in). A single
-    patch's export (``export_patch``, what ``patch export`` and ``report --fix`` call) is
-    a batch of one: tests/test_report.py."""
-    (tmp_path / "raising_patch.py").write_text(
-        "def boom():\n    raise RuntimeError('kaboom')\n")
-    monkeypatch.syspath_prepend(str(tmp_path))  # a user patch, found on the path
-    exported = export_patches(["raising_patch:boom", "no-launch-ts"])
-    assert str(exported["raising_patch:boom"]) == (
-        "patch 'raising_patch:boom': the export process failed: RuntimeError: kaboom")
-    assert exported["no-launch-ts"].startswith("diff --git a/python/sglang/")
-    assert exported["no-launch-ts"] == _exported("0.5.23")["no-launch-ts"]
+class TestTheBuiltinsBatchExport:
+    """The tests that read a release's batch export (every built-in, one export process,
+    8-12 s a release): a class, so one worker makes each batch once (conftest.py)."""
+
+    @pytest.mark.parametrize("name", list(BUILTIN_PATCHES))
+    def test_every_builtin_patch_exports_and_applies_to_a_clean_tree(self, name, tmp_path):
+        """Each patch's diff (its every function, read back, the code the patch
+        compiles: the export checks it, test_an_edit_re_indented_into_other_code_is_refused)
+        applies to the clean tree of the venv's release, or it is refused as measured."""
+        _exports_and_applies(name, "0.5.23", tmp_path)
+
+    @pytest.mark.releases
+    @pytest.mark.parametrize("version", ["0.5.21", "0.5.22"])
+    @pytest.mark.parametrize("name", list(BUILTIN_PATCHES))
+    def test_on_older_releases_too(self, name, version, tmp_path):
+        """The same on the older releases the suite installs."""
+        _exports_and_applies(name, version, tmp_path)
+
+    # That ``compare`` judges a diff exactly as its patch is the export's machinery (a
+    # source tree of the diff, a server of its own, the same runs), the same for every
+    # patch: what differs between patches is their code, which the export checks for every
+    # one (above). Judged here for one patch of each kind of code, each a diff server's cold
+    # start and six runs (~10 s); until 2026-12-05 every built-in was judged on 0.5.23 too,
+    # which repeated that machinery nine more times.
+    @pytest.mark.parametrize("name, version", [
+        ("fix-chained-accounting", "0.5.23"),  # the MLX loop's own code
+        ("fix-idle-predicate", "0.5.23"),  # Scheduler code every loop runs
+        ("fix-backend-state", "0.5.23"),  # four edits in two files, one adding a method
+        pytest.param("fix-chained-accounting", "0.5.21", marks=pytest.mark.releases),
+        pytest.param("fix-idle-predicate", "0.5.22", marks=pytest.mark.releases),
+    ])
+    def test_a_diff_judges_as_its_patch(self, name, version, tmp_path):
+        _exports_and_judges_as_the_patch(name, version, tmp_path)
+
+    def test_a_patch_that_raises_fails_alone_in_its_batch(self, tmp_path, monkeypatch):
+        """A patch that raises while it is recorded is that patch's error, in one line;
+        the other patches of the batch still export (each is recorded in a fork of its
+        own), each as it exports in any other batch (here: in the batch of every
+        built-in). A single patch's export (``export_patch``, what ``patch export`` and
+        ``report --fix`` call) is a batch of one: tests/test_report.py."""
+        (tmp_path / "raising_patch.py").write_text(
+            "def boom():\n    raise RuntimeError('kaboom')\n")
+        monkeypatch.syspath_prepend(str(tmp_path))  # a user patch, found on the path
+        exported = export_patches(["raising_patch:boom", "no-launch-ts"])
+        assert str(exported["raising_patch:boom"]) == (
+            "patch 'raising_patch:boom': the export process failed: RuntimeError: kaboom")
+        assert exported["no-launch-ts"].startswith("diff --git a/python/sglang/")
+        assert exported["no-launch-ts"] == _exported("0.5.23")["no-launch-ts"]
