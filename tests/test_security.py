@@ -192,7 +192,7 @@ def wire_server(tmp_path):
     socket_path, log_path = directory / "s.sock", tmp_path / "server.log"
     ready_read, ready_write = os.pipe()
     code = ("import sys; from pathlib import Path; from contract_lib.child.server import WarmServer; "
-            "WarmServer(Path(sys.argv[1]), 'fp', 120.0, None, None, message_timeout=2.0)"
+            "WarmServer(Path(sys.argv[1]), 'fp', 120.0, None, None, message_timeout=0.5)"
             ".serve(int(sys.argv[2]))")
     with open(log_path, "wb") as log:
         process = subprocess.Popen([sys.executable, "-c", code, str(socket_path),
@@ -256,7 +256,7 @@ def test_a_stalled_client_blocks_no_other(wire_server):
         with pytest.raises(BlockingIOError):
             stalled.recv(1)
         stalled.setblocking(True)
-        assert _closed_by_peer(stalled)  # then dropped (after message_timeout=2 s)
+        assert _closed_by_peer(stalled)  # then dropped (after message_timeout=0.5 s)
     assert "not finished within" in log.read_text()
 
 
@@ -319,7 +319,7 @@ def test_server_stop_signals_the_verified_peer_never_a_pid_it_names(tmp_path):
     try:
         found = servers.statuses(directory)
         assert [s["pid"] for s in found] == [forger.pid]  # the kernel's pid, not the reply's
-        servers.stop_all(directory, timeout=1.0)
+        servers.stop_all(directory, timeout=0.2)
         assert forger.wait(timeout=30) == -signal.SIGKILL  # the peer, proven, is killed
         assert victim.poll() is None, "server stop killed the pid a reply named"
     finally:

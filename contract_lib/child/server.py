@@ -122,8 +122,10 @@ class WarmServer:
                 if idle_left <= 0:
                     self._exit()
                 timeout = max(idle_left, 0.0)
-            if any(reader.started is not None for reader in self.incoming.values()):
-                timeout = 1.0 if timeout is None else min(timeout, 1.0)  # stalled clients
+            begun = [r.started for r in self.incoming.values() if r.started is not None]
+            if begun:  # wake when the oldest unfinished message is overdue (a stalled client)
+                due = max(min(begun) + self.message_timeout - time.monotonic(), 0.0) + 0.01
+                timeout = due if timeout is None else min(timeout, due)
             for key, _ in self.selector.select(timeout):
                 if key.data == "accept":
                     self._accept()
@@ -218,7 +220,7 @@ class WarmServer:
         for conn, reader in list(self.incoming.items()):
             if reader.overdue(now, self.message_timeout):
                 self._log("closed a connection: a message not finished within "
-                          f"{now - reader.started:.0f} s")
+                          f"{now - reader.started:.1f} s")
                 self._on_hang_up(conn)
 
     def _on_hang_up(self, conn: socket.socket) -> None:
