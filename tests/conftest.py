@@ -4,7 +4,6 @@ and the committed frames of such runs (``tests/fixtures``) for the fast tier."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import importlib
 import os
@@ -12,12 +11,10 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 import contract_lib
-from contract_lib.frames import read_payload
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
@@ -77,20 +74,18 @@ def run_cached():
 
 
 @functools.lru_cache(maxsize=None)
-def _fixture_payload(name: str) -> dict[str, Any]:
+def _fixture(name: str) -> contract_lib.Frames:
     path = FIXTURES / f"{name}.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such frame fixture; add the run to "
                                 "scripts/make-fixtures and run it")
-    return read_payload(path)  # checked against the frame schema
+    return contract_lib.Frames.load(path)  # checked against the frame schema
 
 
 def saved_frames(workload: str, loop: str, patch: str | None = None) -> contract_lib.Frames:
     """The committed frames of ``run(workload, loop, patch=patch)`` (``tests/fixtures``,
     written by ``scripts/make-fixtures``): a fresh copy per call, free to edit."""
-    name = f"{workload}.{loop}" + (f".{patch}" if patch else "")
-    payload = _fixture_payload(name)
-    return contract_lib.Frames.from_payload({**payload, "meta": copy.deepcopy(payload["meta"])})
+    return _fixture(f"{workload}.{loop}" + (f".{patch}" if patch else "")).copy()
 
 
 @pytest.fixture(scope="session")
@@ -98,6 +93,20 @@ def saved():
     """``saved(workload, loop, patch=None)``: the committed frames of that real run, as
     ``run_cached`` would return them (pure pandas, no Scheduler); a fresh copy per call."""
     return saved_frames
+
+
+@functools.lru_cache(maxsize=None)
+def _saved_report(workload: str, loop: str, patch: str | None = None):
+    from contract_lib.contract import check
+
+    return check(saved_frames(workload, loop, patch))
+
+
+@pytest.fixture(scope="session")
+def saved_report():
+    """``saved_report(workload, loop, patch=None)``: the report of ``check`` on those
+    committed frames, checked once per session (shared: read it, do not edit it)."""
+    return _saved_report
 
 
 @pytest.fixture()

@@ -32,13 +32,13 @@ def _statuses(report):
 
 
 @pytest.fixture()
-def good(saved):
+def good(saved, saved_report):
     """A run that satisfies every clause (torch overlap, two-turn; with the HRRN clock
     fixed, clause 6, which the torch loops violate as shipped): its committed frames, a
     fresh copy to edit."""
-    frames = saved("two-turn", "overlap", "fix-processed-tokens-counter")
-    assert check(frames).ok
-    return frames
+    run = ("two-turn", "overlap", "fix-processed-tokens-counter")
+    assert saved_report(*run).ok
+    return saved(*run)
 
 
 def _only(report, clause, status=VIOLATED):

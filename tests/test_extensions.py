@@ -46,20 +46,20 @@ def _status(frames, clause, clauses="all"):
 
 
 @pytest.fixture()
-def torch_good(saved):
+def torch_good(saved, saved_report):
     """Torch overlap on two-turn with the HRRN clock fixed: every clause holds (its
     committed frames, a fresh copy to edit)."""
-    frames = saved("two-turn", "overlap", "fix-processed-tokens-counter")
-    assert check(frames).ok
-    return frames
+    run = ("two-turn", "overlap", "fix-processed-tokens-counter")
+    assert saved_report(*run).ok
+    return saved(*run)
 
 
 @pytest.fixture()
-def mlx_good(saved):
+def mlx_good(saved, saved_report):
     """MLX on two-turn with state retirement fixed: clause 7 holds (committed frames)."""
-    frames = saved("two-turn", "mlx", "fix-backend-state")
-    assert _status(frames, 7) == HOLDS
-    return frames
+    run = ("two-turn", "mlx", "fix-backend-state")
+    assert saved_report(*run).clauses[7].status == HOLDS
+    return saved(*run)
 
 
 @pytest.mark.fast

@@ -8,7 +8,6 @@ files (``two-turn.mlx.real.json.gz``)."""
 
 from __future__ import annotations
 
-import copy
 import functools
 import gzip
 import json
@@ -43,7 +42,7 @@ def save_run(frames: Frames, directory: Path = HISTORY_DIR) -> tuple[Path, bool]
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(frames.to_payload(), separators=(",", ":")) + "\n"
     path.write_bytes(gzip.compress(text.encode(), compresslevel=9, mtime=0))
-    _payload.cache_clear()
+    _parsed.cache_clear()
     return path, True
 
 
@@ -60,15 +59,16 @@ def _same_run(saved: Frames, frames: Frames) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _payload(path: Path) -> dict:
-    return parse_payload(gzip.decompress(path.read_bytes()).decode(), path)
+def _parsed(path: Path) -> Frames:
+    """The run a file holds, parsed and typed once (:func:`save_run` forgets them all)."""
+    text = gzip.decompress(path.read_bytes()).decode()
+    return Frames.from_payload(parse_payload(text, path), path)
 
 
 def load_file(path: Path) -> Frames:
     """A saved run (a fresh copy, free to edit); a file of another schema or shape is a
     :class:`~contract_lib.frames.FramesFormatError` naming it."""
-    payload = _payload(Path(path))
-    return Frames.from_payload({**payload, "meta": copy.deepcopy(payload["meta"])}, path)
+    return _parsed(Path(path)).copy()
 
 
 def saved_releases(directory: Path = HISTORY_DIR) -> list[str]:
