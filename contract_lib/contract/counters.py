@@ -34,8 +34,8 @@ from contract_lib.contract.base import (
     HOLDS,
     VIOLATED,
     ClauseResult,
-    live,
     live_mask,
+    live_requests,
     no_rows,
     result,
     violations,
@@ -78,7 +78,7 @@ def _no_live_request(frames: Frames) -> str | None:
 def counters_equal_the_positions_computed(frames: Frames) -> list[pd.DataFrame]:
     """``seq_lens``, ``kv_committed_len`` and ``kv_allocated_len`` of every live request
     equal ``kv_computed`` (order 0-2: one per counter)."""
-    alive = live(frames.requests)
+    alive = live_requests(frames)
     parts = []
     for order, (column, field) in enumerate(_COUNTERS.items()):
         bad = alive[alive[column].notna() & (alive[column] != alive["kv_computed"])]
@@ -171,7 +171,7 @@ def check_counters(frames: Frames) -> ClauseResult:
     parts = [part for rule in RULES for part in rule.check(frames)]
     rows = pd.concat(parts).sort_values(["step", "order"], kind="stable").drop(
         columns="order") if parts else _NO_ROWS
-    note = (f"{len(live(frames.requests))} (step, request) counter sets checked, "
+    note = (f"{len(live_requests(frames))} (step, request) counter sets checked, "
             f"{len(released_requests(frames))} releases into the radix tree")
     return result(2, frames.loop, rows, note)
 

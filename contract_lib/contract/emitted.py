@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import pandas as pd
 
-from contract_lib.contract.base import first_step_showing, handoffs, ints, retractions
+from contract_lib.contract.base import (
+    emitted_tokens,
+    first_step_showing,
+    handoffs,
+    ints,
+    retractions,
+)
 from contract_lib.contract.radix import run_arg
 from contract_lib.frames import Frames
 
@@ -111,7 +117,7 @@ def emitted_as_produced(frames: Frames, order: int) -> list[pd.DataFrame]:
     requests = frames.requests
     produced, unknown = _produced(frames.launches, set(requests["rid"]), handoffs(frames))
     found = []  # (rid, index, expected, actual, produced, held)
-    for rid, emitted in frames.output_tokens().items():
+    for rid, emitted in emitted_tokens(frames).items():
         if rid in unknown:
             continue
         stream, at = produced.get(rid, []), 0
@@ -164,7 +170,7 @@ def ended_where_sglang_ended_it(frames: Frames, order: int) -> list[pd.DataFrame
     stops = last[(last["finish_reason"] == "stop") & last["finish_matched"].notna()
                  & ~last["rid"].isin(after["rid"])]
     if len(stops):
-        tokens = frames.output_tokens()
+        tokens = emitted_tokens(frames)
         wrong = []  # (rid, matched, stop position or None, emitted)
         for rid, matched in zip(stops["rid"], stops["finish_matched"].astype("int64")):
             emitted = tokens.get(rid, [])
@@ -240,7 +246,7 @@ def stopped_at_a_stop_token(frames: Frames, order: int) -> list[pd.DataFrame]:
     stops = frames.meta.get("stop_ids") or {}
     if not stops or run_arg(frames, "disaggregation_mode") == "prefill":
         return []
-    tokens = frames.output_tokens()
+    tokens = emitted_tokens(frames)
     requests = frames.requests
     last = requests.drop_duplicates("rid", keep="last").set_index("rid")
     ended = requests[requests["finished"].astype(bool)].drop_duplicates("rid").set_index(
@@ -274,7 +280,7 @@ def retractions_counted(frames: Frames, order: int) -> list[pd.DataFrame]:
     """A request that gives its ``req_to_token`` row back before it ended was retracted
     (or preempted), and SGLang counts it (``retraction_count``, its ``num_retractions``):
     between two steps the count rises by exactly the retractions seen."""
-    requests, same, gave_back = retractions(frames.requests)
+    requests, same, gave_back = retractions(frames)
     retracted = gave_back.astype("int64")
     counted = pd.to_numeric(requests["retractions"], errors="coerce")
     rise = (counted - counted.shift(1)).where(same)

@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from contract_lib import loops
-from contract_lib.contract.base import ClauseResult, ints, result
+from contract_lib.contract.base import ClauseResult, derived, ints, result
 from contract_lib.contract.registry import clause
 from contract_lib.frames import Frames
 
@@ -50,6 +50,7 @@ def _launched_in_flight(frames: Frames) -> pd.Series:
     return pd.Series(counts, index=frames.steps.index)
 
 
+@derived
 def _in_flight(frames: Frames) -> pd.DataFrame:
     """The steps holding in-flight work: an overlap loop's (``launched``: launches in
     flight), or requests in a disaggregation loop's queues (``queued``)."""

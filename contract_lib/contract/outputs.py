@@ -14,7 +14,7 @@ import pandas as pd
 
 from contract_lib import loops
 from contract_lib.child.shims.model import next_token
-from contract_lib.contract.base import first_step_showing
+from contract_lib.contract.base import emitted_tokens, first_step_showing
 from contract_lib.frames import Frames
 
 COLUMNS = ["rid", "index", "step", "expected", "actual"]
@@ -31,7 +31,7 @@ def wrong_outputs(frames: Frames) -> pd.DataFrame:
     requests = frames.requests
     held = requests.drop_duplicates("rid", keep="last").set_index("rid")["prompt_len"]
     rows = []
-    for rid, tokens in frames.output_tokens().items():
+    for rid, tokens in emitted_tokens(frames).items():
         prompt = prompts.get(rid)
         if not prompt or held.get(rid) != len(prompt):
             continue

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from contract_lib.contract.base import handoffs, retractions
+from contract_lib.contract.base import derived, emitted_tokens, handoffs, retractions
 from contract_lib.frames import Frames
 
 
@@ -55,7 +55,7 @@ def _disturbed_iterations(frames: Frames) -> list[int]:
     if evictions is not None and len(evictions):
         gone = evictions["evictable_after"] < evictions["evictable_before"]
         disturbed.update(evictions.loc[gone, "step"].astype("int64").tolist())
-    requests, _, gave_back = retractions(frames.requests)
+    requests, _, gave_back = retractions(frames)
     disturbed.update((requests.loc[gave_back, "step"].astype("int64") - 1).tolist())
     return sorted(disturbed)
 
@@ -74,7 +74,7 @@ def reused_what_the_tree_kept(frames: Frames, released: pd.DataFrame, kept: pd.S
     if released.empty or not prompts or "cached_tokens" not in requests:
         return []
     page = int(run_arg(frames, "page_size") or 1)
-    outputs = frames.output_tokens()
+    outputs = emitted_tokens(frames)
     disturbed = _disturbed_iterations(frames)
     holding = requests[requests["req_pool_idx"].notna()]
     admitted = (holding.groupby("rid")["step"].min() - 1).sort_values(kind="stable")
@@ -227,6 +227,7 @@ def run_arg(frames: Frames, name: str):
     return resolved[name] if name in resolved else frames.meta.get("server_args", {}).get(name)
 
 
+@derived
 def released_requests(frames: Frames) -> pd.DataFrame:
     """Each request that finished by length or a stop, at the first boundary where it
     holds no ``req_to_token`` row (released); none when the radix cache is disabled."""

@@ -16,6 +16,7 @@ from contract_lib.contract.base import (
     VIOLATION_COLUMNS,
     ClauseResult,
     NotExercised,
+    one_check,
     violations,
 )
 from contract_lib.contract.idle import never_overlapped
@@ -243,29 +244,31 @@ def check_pool(frames: Frames) -> pd.DataFrame:
     check's law at every step: free rows + rows the requests hold == the pool's rows);
     and steps at which the radix tree protects KV while no request holds a row."""
     steps = frames.steps
+    rows = []  # (step, loop, explanation); columns read by zip, not itertuples (~0.6 ms each)
     leaks = steps[steps["pool_leak"].astype(bool)]
-    rows = []
-    for r in leaks.itertuples(index=False):
-        rows.append({"step": int(r.step), "loop": r.loop, "explanation": (
-            f"available {r.kv_available} + evictable {r.kv_evictable} + protected "
-            f"{r.kv_protected} + uncached {r.kv_uncached} != total {r.kv_total}")})
-    held = frames.requests.dropna(subset=["req_pool_idx"]).groupby("step")[
-        "req_pool_idx"].nunique()
-    counted = steps.dropna(subset=["rows_free", "rows_total"]).assign(
-        held=lambda t: t["step"].map(held).fillna(0).astype("int64"))
-    lost = counted[counted["rows_free"] + counted["held"] != counted["rows_total"]]
-    for r in lost.itertuples(index=False):
-        rows.append({"step": int(r.step), "loop": r.loop, "explanation": (
-            f"req_to_token rows: free {int(r.rows_free)} + held by requests {r.held} != "
-            f"total {int(r.rows_total)}")})
+    rows += [(int(step), loop, f"available {available} + evictable {evictable} + protected "
+              f"{protected} + uncached {uncached} != total {total}")
+             for step, loop, available, evictable, protected, uncached, total in zip(
+                 *(leaks[name] for name in ("step", "loop", "kv_available", "kv_evictable",
+                                            "kv_protected", "kv_uncached", "kv_total")))]
+    holding = frames.requests[frames.requests["req_pool_idx"].notna()]
+    held = holding.groupby("step")["req_pool_idx"].nunique()
+    counted = steps[steps["rows_free"].notna() & steps["rows_total"].notna()]
+    held = counted["step"].map(held).fillna(0).astype("int64")
+    lost = counted["rows_free"] + held != counted["rows_total"]
+    rows += [(int(step), loop, f"req_to_token rows: free {int(free)} + held by requests "
+              f"{count} != total {int(total)}")
+             for step, loop, free, count, total in zip(
+                 *(counted.loc[lost, name] for name in ("step", "loop", "rows_free")),
+                 held[lost], counted.loc[lost, "rows_total"])]
     # The radix tree's locks are taken for requests (their matched prefix): with no
     # request holding a row, none may be left (a lock never released keeps that KV
     # from eviction for good; the law above counts it as accounted for).
-    locked = counted[(counted["held"] == 0) & (counted["kv_protected"] > 0)]
-    for r in locked.itertuples(index=False):
-        rows.append({"step": int(r.step), "loop": r.loop, "explanation": (
-            f"protected {int(r.kv_protected)} with no request holding a row: a radix tree "
-            "lock never released (that KV can never be evicted)")})
+    locked = (held == 0) & (counted["kv_protected"] > 0)
+    rows += [(int(step), loop, f"protected {int(protected)} with no request holding a row: "
+              "a radix tree lock never released (that KV can never be evicted)")
+             for step, loop, protected in zip(
+                 *(counted.loc[locked, name] for name in ("step", "loop", "kv_protected")))]
     return pd.DataFrame(rows, columns=["step", "loop", "explanation"]).sort_values(
         "step", kind="stable", ignore_index=True)
 
@@ -321,13 +324,15 @@ def check(frames: Frames, clauses: str = "all", strict_known: bool = False) -> R
     violations are exactly a catalogued upstream bug's (:mod:`.known`) is reported as
     known upstream and fails the run only with ``strict_known``."""
     checks = clause_checks(clauses)
-    results = {number: evaluate(number, check_, frames) for number, check_ in checks.items()}
-    known, gone = judge(frames, results)
-    return Report(meta=dict(frames.meta), clauses=results,
-                  pool=check_pool(frames), aborted=aborted_requests(frames),
-                  clause_set=clauses, not_overlapping=never_overlapped(frames),
-                  wrong_outputs=wrong_outputs(frames), kv_damaged=_kv_damaged(frames),
-                  known=known, gone=gone, strict_known=strict_known)
+    with one_check():
+        results = {number: evaluate(number, check_, frames)
+                   for number, check_ in checks.items()}
+        known, gone = judge(frames, results)
+        return Report(meta=dict(frames.meta), clauses=results,
+                      pool=check_pool(frames), aborted=aborted_requests(frames),
+                      clause_set=clauses, not_overlapping=never_overlapped(frames),
+                      wrong_outputs=wrong_outputs(frames), kv_damaged=_kv_damaged(frames),
+                      known=known, gone=gone, strict_known=strict_known)
 
 
 def _kv_damaged(frames: Frames) -> bool:

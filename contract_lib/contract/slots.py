@@ -26,7 +26,14 @@ from __future__ import annotations
 
 import pandas as pd
 
-from contract_lib.contract.base import ClauseResult, NotExercised, ints, live, no_rows, result
+from contract_lib.contract.base import (
+    ClauseResult,
+    NotExercised,
+    ints,
+    live_requests,
+    no_rows,
+    result,
+)
 from contract_lib.contract.registry import clause
 from contract_lib.frames import Frames
 
@@ -55,7 +62,7 @@ def slot_states(frames: Frames) -> pd.DataFrame:
     prefix). The first of ``slot 0``, ``free``, ``shared``, ``stale``, ``misplaced``
     that applies wins.
     """
-    alive = live(frames.requests)[["step", "rid", "kv_computed", "cache_protected_len"]]
+    alive = live_requests(frames)[["step", "rid", "kv_computed", "cache_protected_len"]]
     slots = frames.slots.merge(alive, on=["step", "rid"], how="inner")
     forward = frames.forward_slots.assign(step=frames.forward_slots["step"] + 1).rename(
         columns={"slot": "forward_slot"})[["step", "rid", "position", "forward_slot"]]
