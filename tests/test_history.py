@@ -112,68 +112,186 @@ def test_a_workload_missing_from_the_sweep_names_the_script(tmp_path):
         swept_status(["0.5.23"], ["normal", "overlap"], directory=tmp_path)
 
 
-@fast
-def test_forward_ct_never_advanced_then_counted_late_then_at_launch(past):
-    """Clause 3 on the MLX loop: 0.5.14 never advances ``forward_ct`` (#29217); 0.5.15
-    and 0.5.16 count every launch but at finalize, so launches made before the previous
-    one was finalized see it one behind (the profiler predicate one queued decode late),
-    and no ``forward_iter`` is stamped; 0.5.17 counts and stamps at launch (#32447)."""
-    never = _mlx("0.5.14")
-    launches = len(never.launches)
-    assert int(never.steps["forward_ct"].iloc[-1]) == 0
-    assert len(_violations(_report(past, "0.5.14", "two-turn", "mlx"), 3,
-                           "forward_ct")) == launches
-    for version in ("0.5.15", "0.5.16"):
-        late, report = _mlx(version), _report(past, version, "two-turn", "mlx")
-        assert int(late.steps["forward_ct"].iloc[-1]) == len(late.launches) == launches
-        assert 0 < len(_violations(report, 3, "forward_ct")) < launches
-        assert len(_violations(report, 3, "forward_iter")) == launches
-    assert _report(past, "0.5.17", "two-turn", "mlx").clauses[3].status == HOLDS
+class TestTheSavedRuns:
+    """The tests reading the saved runs' clause tables (``past``, checked once per
+    session: one class, so one xdist worker checks them; conftest.py's scheduler)."""
+
+    @fast
+    def test_forward_ct_never_advanced_then_counted_late_then_at_launch(self, past):
+        """Clause 3 on the MLX loop: 0.5.14 never advances ``forward_ct`` (#29217); 0.5.15
+        and 0.5.16 count every launch but at finalize, so launches made before the previous
+        one was finalized see it one behind (the profiler predicate one queued decode late),
+        and no ``forward_iter`` is stamped; 0.5.17 counts and stamps at launch (#32447)."""
+        never = _mlx("0.5.14")
+        launches = len(never.launches)
+        assert int(never.steps["forward_ct"].iloc[-1]) == 0
+        assert len(_violations(_report(past, "0.5.14", "two-turn", "mlx"), 3,
+                               "forward_ct")) == launches
+        for version in ("0.5.15", "0.5.16"):
+            late, report = _mlx(version), _report(past, version, "two-turn", "mlx")
+            assert int(late.steps["forward_ct"].iloc[-1]) == len(late.launches) == launches
+            assert 0 < len(_violations(report, 3, "forward_ct")) < launches
+            assert len(_violations(report, 3, "forward_iter")) == launches
+        assert _report(past, "0.5.17", "two-turn", "mlx").clauses[3].status == HOLDS
 
 
-@fast
-@pytest.mark.parametrize("version", SUPPORTED_SGLANG_VERSIONS)
-def test_after_idle_gap_stamped_by_run_batch_only_until_0_5_21(past, version):
-    """``run_batch`` stamps ``after_idle_gap`` from 0.5.18, the MLX launch only from
-    0.5.21: a2, launched after idle iterations, carried False on 0.5.18-0.5.20; before
-    0.5.18 the field is not present."""
-    frames = _mlx(version)
-    gap = _violations(_report(past, version, "two-turn", "mlx"), 3, "after_idle_gap")
-    if "after_idle_gap" in frames.absent:
-        assert not _from(version, "0.5.18") and gap.empty
-    elif not _from(version, "0.5.21"):
-        assert gap[["expected", "actual"]].values.tolist() == [[True, False]]
-        launch = frames.launches.set_index("launch").loc[int(gap["launch"].iloc[0])]
-        assert (launch["rids"], launch["mode"]) == ("a2", "extend")
-    else:
-        assert gap.empty
+    @fast
+    @pytest.mark.parametrize("version", SUPPORTED_SGLANG_VERSIONS)
+    def test_after_idle_gap_stamped_by_run_batch_only_until_0_5_21(self, past, version):
+        """``run_batch`` stamps ``after_idle_gap`` from 0.5.18, the MLX launch only from
+        0.5.21: a2, launched after idle iterations, carried False on 0.5.18-0.5.20; before
+        0.5.18 the field is not present."""
+        frames = _mlx(version)
+        gap = _violations(_report(past, version, "two-turn", "mlx"), 3, "after_idle_gap")
+        if "after_idle_gap" in frames.absent:
+            assert not _from(version, "0.5.18") and gap.empty
+        elif not _from(version, "0.5.21"):
+            assert gap[["expected", "actual"]].values.tolist() == [[True, False]]
+            launch = frames.launches.set_index("launch").loc[int(gap["launch"].iloc[0])]
+            assert (launch["rids"], launch["mode"]) == ("a2", "extend")
+        else:
+            assert gap.empty
 
 
-@fast
-@pytest.mark.parametrize("version, absent", [
-    ("0.5.14", {"cache_protected_len", "launch_ts", "after_idle_gap",
-                "processed_tokens_counter"}),
-    ("0.5.17", {"cache_protected_len", "after_idle_gap", "processed_tokens_counter"}),
-    ("0.5.20", {"cache_protected_len"}),
-    ("0.5.21", set())])
-def test_fields_a_release_does_not_have_are_not_present(past, version, absent):
-    """Each field arrived with its reader: ``launch_ts`` 0.5.17, ``after_idle_gap``
-    0.5.18, the HRRN clock 0.5.20; what the tree kept is written at release from 0.5.21."""
-    assert set(saved_run(version, "two-turn", "normal").absent) == absent
-    clause6 = _report(past, version, "two-turn", "normal").clauses[6].status
-    assert (clause6 == NOT_PRESENT) == ("processed_tokens_counter" in absent)
+    @fast
+    @pytest.mark.parametrize("version, absent", [
+        ("0.5.14", {"cache_protected_len", "launch_ts", "after_idle_gap",
+                    "processed_tokens_counter"}),
+        ("0.5.17", {"cache_protected_len", "after_idle_gap", "processed_tokens_counter"}),
+        ("0.5.20", {"cache_protected_len"}),
+        ("0.5.21", set())])
+    def test_fields_a_release_does_not_have_are_not_present(self, past, version, absent):
+        """Each field arrived with its reader: ``launch_ts`` 0.5.17, ``after_idle_gap``
+        0.5.18, the HRRN clock 0.5.20; what the tree kept is written at release from 0.5.21."""
+        assert set(saved_run(version, "two-turn", "normal").absent) == absent
+        clause6 = _report(past, version, "two-turn", "normal").clauses[6].status
+        assert (clause6 == NOT_PRESENT) == ("processed_tokens_counter" in absent)
 
 
-@fast
-@pytest.mark.parametrize("version", SUPPORTED_SGLANG_VERSIONS)
-@pytest.mark.parametrize("loop", ["normal", "overlap"])
-def test_torch_loops_hold_the_contract_on_every_release(past, version, loop):
-    """No false positive across history: the reference loops hold every clause on every
-    release but the catalogued clock bug (0.5.20 on), which is not an RFC clause."""
-    report = _report(past, version, "two-turn", loop)
-    assert report.ok, report.verdict().line()
-    assert set(report.known) == ({6} if _from(version, "0.5.20") else set())
-    assert all(report.clauses[n].status != VIOLATED for n in range(1, 6))
+    @fast
+    @pytest.mark.parametrize("version", SUPPORTED_SGLANG_VERSIONS)
+    @pytest.mark.parametrize("loop", ["normal", "overlap"])
+    def test_torch_loops_hold_the_contract_on_every_release(self, past, version, loop):
+        """No false positive across history: the reference loops hold every clause on every
+        release but the catalogued clock bug (0.5.20 on), which is not an RFC clause."""
+        report = _report(past, version, "two-turn", loop)
+        assert report.ok, report.verdict().line()
+        assert set(report.known) == ({6} if _from(version, "0.5.20") else set())
+        assert all(report.clauses[n].status != VIOLATED for n in range(1, 6))
+
+
+    @fast
+    @pytest.mark.parametrize("version", SUPPORTED_SGLANG_VERSIONS)
+    def test_the_open_clauses_are_red_on_every_release(self, past, version):
+        """Clause 1 (unrecorded positions), 2 (chained accounting), 4 (the mixed-chunk
+        relay) and 7 (backend state) were open from 0.5.14 to 0.5.23; clause 5 is masked
+        from 0.5.16 (0.5.14-0.5.15's ``is_fully_idle`` also tests ``cur_batch``, which the
+        MLX loop sets)."""
+        two_turn = _report(past, version, "two-turn", "mlx").clauses
+        assert [two_turn[n].status for n in (1, 2, 7)] == [VIOLATED] * 3
+        assert two_turn[5].status == (MASKED if _from(version, "0.5.16") else HOLDS)
+        mixed = _report(past, version, "mixed-chunk", "mlx")
+        assert mixed.clauses[4].status == VIOLATED
+
+
+    @fast
+    def test_the_history_text_has_a_block_per_loop_and_the_fields_per_release(self, past):
+        text = history.history_text(past)
+        blocks = [line for line in text.splitlines() if line.startswith("loop ")]
+        assert blocks == ["loop normal", "loop overlap", "loop mlx"]
+        assert ("  clause 3 violated forward_ct, forward_iter (0.5.14-0.5.16); after_idle_gap "
+                "(0.5.18-0.5.20)") in text
+        assert "(not present in 0.5.14-0.5.16, not checked: clause 3 launch_ts:" in text
+        assert max(len(line) for line in text.splitlines()) <= 140
+
+
+    @fast
+    def test_the_history_cells_are_the_side_by_side_table(self, past):
+        """The history's cells are the releases' own tables, read another way."""
+        cells = history.history_cells(past).set_index(["loop", "clause", "sglang"])
+        for status in past.statuses:
+            table = status.table()
+            for clause_label, row in table.iterrows():
+                number = (int(clause_label.split(" ", 1)[0]) if clause_label[0].isdigit()
+                          else history.POOL if "conservation" in clause_label
+                          else history.KV_POOL)
+                for loop, text in row.items():
+                    if text == "-":  # no MLX KV pool on a torch loop
+                        continue
+                    cell = cells.loc[(loop, number, status.sglang)]
+                    assert text == f"{cell.status} ({cell['count']}/{cell.total})"
+
+
+    @fast
+    def test_a_leak_on_one_release_shows_in_every_view(self, past):
+        """SGLang's pool conservation law broken at a step of one release's run: the
+        history's cells, text and figure show a ``pool conservation`` row, red there."""
+        from contract_lib.campaigns.status import checked_releases
+
+        runs = {s.sglang: {key: saved_run(s.sglang, *key) for key in s.reports}
+                for s in past.statuses[-2:]}
+        leaky = runs["0.5.23"][("two-turn", "normal")]
+        leaky.steps.loc[3, "pool_leak"] = True
+        result = checked_releases(runs)
+        cells = history.history_cells(result).set_index(["loop", "clause", "sglang"])
+        assert cells.loc[("normal", history.POOL, "0.5.23"), "status"] == "leak"
+        assert cells.loc[("normal", history.POOL, "0.5.22"), "status"] == "balanced"
+        assert "(KV pool conservation: leak =" in history.history_text(result)
+        fig = views.clause_history(result, loops=["normal"])
+        assert "leak" in [t.get_text() for t in fig.axes[0].texts]
+
+
+    @fast
+    def test_a_release_range_runs_every_release_between_in_order(self, past, monkeypatch,
+                                                                 capsys):
+        """``--sglang 0.5.14..0.5.23`` (here with a repeated one) asks for each release once,
+        oldest first, and prints the history layout (more than three releases)."""
+        from contract_lib.campaigns import status
+
+        asked = []
+
+        def saved_instead(versions, **_options):
+            asked.extend(versions)
+            return past
+
+        monkeypatch.setattr(status, "releases_status", saved_instead)
+        assert main(["status", "--sglang", "0.5.22", "--sglang", "0.5.14..0.5.23"]) == 0
+        assert asked == ["0.5.22", *[v for v in SUPPORTED_SGLANG_VERSIONS if v != "0.5.22"]]
+        assert "loop mlx\nrelease" in capsys.readouterr().out
+
+
+    @fast
+    def test_the_clause_by_release_figure(self, past):
+        fig = views.clause_history(past, loops=["mlx", "normal"])
+        assert len(fig.axes) == 2
+        ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+        assert ticks == list(SUPPORTED_SGLANG_VERSIONS)
+        cell_texts = [t.get_text() for t in fig.axes[0].texts]
+        assert cell_texts.count("forward_ct\nforward_iter") == 3  # 0.5.14-0.5.16
+        assert cell_texts.count("after_idle_gap") == 3  # 0.5.18-0.5.20
+        assert not any("fields" in text for text in cell_texts)  # clause 7's differ: 5 each
+        assert fig.legends
+        assert [t.get_text() for t in fig.texts][:2][0].startswith("The contract")
+        fig.canvas.draw()
+        with pytest.raises(ValueError, match="no run of loop omni"):
+            views.clause_history(past, loops=["omni"])
+
+
+    @fast
+    def test_the_catalogue_says_where_the_saved_runs_show_each_bug(self, past):
+        """Each bug's ``measured`` (data/bugs.toml) names the releases whose saved runs show
+        it, as :func:`views.read_against_measured` reads them from the runs."""
+        from contract_lib.patches.catalog import bug_catalog
+
+        shutdown = {v: saved_run(v, "two-turn", "mlx", SHUTDOWN) for v in saved_releases()}
+        table = views.read_against_measured(bug_catalog(), past, saved_status(runner="real"),
+                                            shutdown)
+        measured = {bug["id"]: bug["measured"] for bug in bug_catalog()}
+        for bug, shown in zip(table["bug"], table["red in the saved runs"]):
+            shown = shown.removeprefix("none").replace("KV pool damaged: ", "")
+            for span in shown.split("; "):
+                assert not span or span in measured[bug], (bug, span)
+
 
 
 @fast
@@ -226,19 +344,6 @@ def test_the_shims_name_the_release_whose_triton_stand_in_was_loaded(version):
 
 @fast
 @pytest.mark.parametrize("version", SUPPORTED_SGLANG_VERSIONS)
-def test_the_open_clauses_are_red_on_every_release(past, version):
-    """Clause 1 (unrecorded positions), 2 (chained accounting), 4 (the mixed-chunk relay)
-    and 7 (backend state) were open from 0.5.14 to 0.5.23; clause 5 is masked from 0.5.16
-    (0.5.14-0.5.15's ``is_fully_idle`` also tests ``cur_batch``, which the MLX loop sets)."""
-    two_turn = _report(past, version, "two-turn", "mlx").clauses
-    assert [two_turn[n].status for n in (1, 2, 7)] == [VIOLATED] * 3
-    assert two_turn[5].status == (MASKED if _from(version, "0.5.16") else HOLDS)
-    mixed = _report(past, version, "mixed-chunk", "mlx")
-    assert mixed.clauses[4].status == VIOLATED
-
-
-@fast
-@pytest.mark.parametrize("version", SUPPORTED_SGLANG_VERSIONS)
 def test_the_mlx_loop_ignores_gracefully_exit_until_0_5_17(version):
     """#32447: until 0.5.17 the MLX loop never reads ``gracefully_exit`` (a shutdown
     waits out its grace period); the torch loops return at their next iteration. No
@@ -260,53 +365,6 @@ def test_the_mlx_loop_ignores_gracefully_exit_until_0_5_17(version):
 
 
 @fast
-def test_the_history_text_has_a_block_per_loop_and_the_fields_per_release(past):
-    text = history.history_text(past)
-    blocks = [line for line in text.splitlines() if line.startswith("loop ")]
-    assert blocks == ["loop normal", "loop overlap", "loop mlx"]
-    assert ("  clause 3 violated forward_ct, forward_iter (0.5.14-0.5.16); after_idle_gap "
-            "(0.5.18-0.5.20)") in text
-    assert "(not present in 0.5.14-0.5.16, not checked: clause 3 launch_ts:" in text
-    assert max(len(line) for line in text.splitlines()) <= 140
-
-
-@fast
-def test_the_history_cells_are_the_side_by_side_table(past):
-    """The history's cells are the releases' own tables, read another way."""
-    cells = history.history_cells(past).set_index(["loop", "clause", "sglang"])
-    for status in past.statuses:
-        table = status.table()
-        for clause_label, row in table.iterrows():
-            number = (int(clause_label.split(" ", 1)[0]) if clause_label[0].isdigit()
-                      else history.POOL if "conservation" in clause_label
-                      else history.KV_POOL)
-            for loop, text in row.items():
-                if text == "-":  # no MLX KV pool on a torch loop
-                    continue
-                cell = cells.loc[(loop, number, status.sglang)]
-                assert text == f"{cell.status} ({cell['count']}/{cell.total})"
-
-
-@fast
-def test_a_leak_on_one_release_shows_in_every_view(past):
-    """SGLang's pool conservation law broken at a step of one release's run: the
-    history's cells, text and figure show a ``pool conservation`` row, red there."""
-    from contract_lib.campaigns.status import checked_releases
-
-    runs = {s.sglang: {key: saved_run(s.sglang, *key) for key in s.reports}
-            for s in past.statuses[-2:]}
-    leaky = runs["0.5.23"][("two-turn", "normal")]
-    leaky.steps.loc[3, "pool_leak"] = True
-    result = checked_releases(runs)
-    cells = history.history_cells(result).set_index(["loop", "clause", "sglang"])
-    assert cells.loc[("normal", history.POOL, "0.5.23"), "status"] == "leak"
-    assert cells.loc[("normal", history.POOL, "0.5.22"), "status"] == "balanced"
-    assert "(KV pool conservation: leak =" in history.history_text(result)
-    fig = views.clause_history(result, loops=["normal"])
-    assert "leak" in [t.get_text() for t in fig.axes[0].texts]
-
-
-@fast
 @pytest.mark.parametrize("value, message", [
     ("0.5.23..0.5.14", "release range 0.5.23..0.5.14: empty (0.5.23 is newer than 0.5.14)"),
     ("0.5.13..0.5.23", "release range 0.5.13..0.5.23: not supported: 0.5.13"),
@@ -315,40 +373,6 @@ def test_a_bad_release_range_is_one_line_and_exit_2(capsys, value, message):
     assert main(["status", "--sglang", value]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {message}") and err.count("\n") == 1
-
-
-@fast
-def test_a_release_range_runs_every_release_between_in_order(past, monkeypatch, capsys):
-    """``--sglang 0.5.14..0.5.23`` (here with a repeated one) asks for each release once,
-    oldest first, and prints the history layout (more than three releases)."""
-    from contract_lib.campaigns import status
-
-    asked = []
-
-    def saved_instead(versions, **_options):
-        asked.extend(versions)
-        return past
-
-    monkeypatch.setattr(status, "releases_status", saved_instead)
-    assert main(["status", "--sglang", "0.5.22", "--sglang", "0.5.14..0.5.23"]) == 0
-    assert asked == ["0.5.22", *[v for v in SUPPORTED_SGLANG_VERSIONS if v != "0.5.22"]]
-    assert "loop mlx\nrelease" in capsys.readouterr().out
-
-
-@fast
-def test_the_clause_by_release_figure(past):
-    fig = views.clause_history(past, loops=["mlx", "normal"])
-    assert len(fig.axes) == 2
-    ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
-    assert ticks == list(SUPPORTED_SGLANG_VERSIONS)
-    cell_texts = [t.get_text() for t in fig.axes[0].texts]
-    assert cell_texts.count("forward_ct\nforward_iter") == 3  # 0.5.14-0.5.16
-    assert cell_texts.count("after_idle_gap") == 3  # 0.5.18-0.5.20
-    assert not any("fields" in text for text in cell_texts)  # clause 7's differ: 5 each
-    assert fig.legends and [t.get_text() for t in fig.texts][:2][0].startswith("The contract")
-    fig.canvas.draw()
-    with pytest.raises(ValueError, match="no run of loop omni"):
-        views.clause_history(past, loops=["omni"])
 
 
 # -- checked against live runs -------------------------------------------------------------
@@ -397,17 +421,3 @@ def test_a_patch_of_code_the_release_lacks_is_a_set_up_refusal(capsys):
     assert ("patch 'no-forward-ct': sglang 0.5.14 has no "
             "SchedulerMlxOverlapMixin._prepare_mlx_launch, the code this patch changes") in out
 
-
-@fast
-def test_the_catalogue_says_where_the_saved_runs_show_each_bug(past):
-    """Each bug's ``measured`` (data/bugs.toml) names the releases whose saved runs show
-    it, as :func:`views.read_against_measured` reads them from the runs."""
-    from contract_lib.patches.catalog import bug_catalog
-
-    shutdown = {v: saved_run(v, "two-turn", "mlx", SHUTDOWN) for v in saved_releases()}
-    table = views.read_against_measured(bug_catalog(), past, saved_status(runner="real"),
-                                        shutdown)
-    measured = {bug["id"]: bug["measured"] for bug in bug_catalog()}
-    for bug, shown in zip(table["bug"], table["red in the saved runs"]):
-        for span in shown.removeprefix("none").replace("KV pool damaged: ", "").split("; "):
-            assert not span or span in measured[bug], (bug, span)
