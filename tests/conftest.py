@@ -176,16 +176,31 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     """``pytest -m fast``: skip importing test modules that mark no test ``fast`` (their
     imports, e.g. hypothesis, jupytext, papermill, cost seconds of the tier's budget).
     A module's fast tests say so in its text: ``pytest.mark.fast`` or ``pytestmark``."""
-    if (config.getoption("markexpr", "").strip() == "fast" and collection_path.suffix == ".py"
+    if (_fast_tier(config) and collection_path.suffix == ".py"
             and collection_path.name.startswith("test_")
             and "mark.fast" not in collection_path.read_text(encoding="utf-8")):
         return True
     return None
 
 
+def _fast_tier(config: pytest.Config) -> bool:
+    return config.getoption("markexpr", "").strip() == "fast"
+
+
+@pytest.fixture(autouse=True)
+def _the_fast_tier_imports_no_sglang(request):
+    """``pytest -m fast`` fails the test after which SGLang is imported, in whichever
+    process runs it (an xdist worker's session status would not reach the controller);
+    the tier is pure pandas (``tests/test_tiers.py`` also runs it with SGLang
+    unimportable)."""
+    yield
+    if _fast_tier(request.config) and "sglang" in sys.modules:
+        pytest.fail("the fast tier imported sglang (this test, or a module collected "
+                    "before it)", pytrace=False)
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """``pytest -m fast`` fails when anything it ran imported SGLang (the tier is pure
-    pandas; ``tests/test_tiers.py`` also runs it with SGLang unimportable)."""
-    if session.config.getoption("markexpr", "").strip() == "fast" and "sglang" in sys.modules:
+    """And so does a single process whose collection alone imported SGLang."""
+    if _fast_tier(session.config) and "sglang" in sys.modules:
         print("\nerror: the fast tier imported sglang", file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -48,6 +48,22 @@ def test_the_fast_tier_passes_without_sglang_or_torch(request):
     assert _passed(blocked) == _fast_tests_collected(request.session) > 50
 
 
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one process", "two workers"])
+def test_a_fast_test_that_imports_sglang_fails_the_tier(tmp_path, workers):
+    """The tier's purity guard (conftest.py) fails it in one process and under xdist,
+    whose workers' session status never reaches the controller."""
+    (tmp_path / "test_impure.py").write_text(
+        "import sys, types\nimport pytest\n\n\n@pytest.mark.fast\ndef test_impure():\n"
+        "    sys.modules['sglang'] = types.ModuleType('sglang')  # as an import would\n")
+    ran = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "conftest", "-m", "fast", "-q",
+         "-p", "no:cacheprovider", str(tmp_path / "test_impure.py"), *workers],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(TESTS)})
+    assert ran.returncode == 1, ran.stdout[-3000:]
+    assert "the fast tier imported sglang" in ran.stdout + ran.stderr
+
+
 @pytest.mark.parametrize("name", sorted(p.stem for p in FIXTURES.glob("*.json")))
 def test_the_committed_frames_are_todays_runs(run_cached, name):
     """Else re-run ``scripts/make-fixtures`` (a change in what runs record, or in SGLang)."""
