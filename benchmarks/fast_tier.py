@@ -1,5 +1,6 @@
-"""Measure the fast tier (``pytest -m fast tests``) as a newcomer runs it: wall time and
-the time pytest reports, over several runs, with the machine and its load.
+"""Measure the fast tier as a newcomer runs it (the README's ``pytest -m fast tests -n 2``,
+and in one process): wall time and the time pytest reports, over several runs of each,
+with the machine and its load.
 
     .venv/bin/python benchmarks/fast_tier.py [--runs 3]
 
@@ -33,11 +34,15 @@ def machine() -> str:
             f"Python {platform.python_version()}")
 
 
-def one_run() -> dict:
+# The README's command (two xdist workers), and the same tier in one process.
+WORKERS = ["-n", "2"]
+
+
+def one_run(workers: list[str]) -> dict:
     load = os.getloadavg()[0]
     start = time.monotonic()
-    ran = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "fast", "tests"],
-                         cwd=ROOT, capture_output=True, text=True, check=False)
+    ran = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "fast", "tests",
+                          *workers], cwd=ROOT, capture_output=True, text=True, check=False)
     wall = time.monotonic() - start
     summary = re.search(r"(\d+) passed.* in ([\d.]+)s", ran.stdout.splitlines()[-1])
     if ran.returncode != 0 or not summary:
@@ -49,10 +54,13 @@ def one_run() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3)
-    runs = [one_run() for _ in range(parser.parse_args().runs)]
+    count = parser.parse_args().runs
+    runs = [one_run(WORKERS) for _ in range(count)]
+    single = [one_run([]) for _ in range(count)]
     RESULT.write_text(json.dumps({
         "tests": runs[-1]["tests"], "date": datetime.date.today().isoformat(),
-        "machine": machine(), "runs": runs}, indent=2) + "\n")
+        "machine": machine(), "command": " ".join(["pytest -m fast tests", *WORKERS]),
+        "runs": runs, "one_process_runs": single}, indent=2) + "\n")
     print(RESULT.read_text())
 
 

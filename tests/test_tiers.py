@@ -52,14 +52,16 @@ def test_the_fast_tier_passes_without_sglang_or_torch(request):
 def test_a_fast_test_that_imports_sglang_fails_the_tier(tmp_path, workers):
     """The tier's purity guard (conftest.py) fails it in one process and under xdist,
     whose workers' session status never reaches the controller."""
+    (tmp_path / "stand_in" / "sglang").mkdir(parents=True)
+    (tmp_path / "stand_in" / "sglang" / "__init__.py").write_text("")
     (tmp_path / "test_impure.py").write_text(
-        "import sys, types\nimport pytest\n\n\n@pytest.mark.fast\ndef test_impure():\n"
-        "    sys.modules['sglang'] = types.ModuleType('sglang')  # as an import would\n")
+        "import pytest\n\n\n@pytest.mark.fast\ndef test_impure():\n"
+        "    import sglang  # noqa: F401\n")
     ran = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "conftest", "-m", "fast", "-q",
          "-p", "no:cacheprovider", str(tmp_path / "test_impure.py"), *workers],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PYTHONPATH": str(TESTS)})
+        env={**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{tmp_path / 'stand_in'}"})
     assert ran.returncode == 1, ran.stdout[-3000:]
     assert "the fast tier imported sglang" in ran.stdout + ran.stderr
 

@@ -66,14 +66,15 @@ def fast_tier_time_phrase() -> str:
     result = json.loads(FAST_TIER_RESULT.read_text())
     runs = result["runs"]
 
-    def spread(key: str) -> str:
-        low, high = min(r[key] for r in runs), max(r[key] for r in runs)
+    def spread(key: str, of: list[dict] = runs) -> str:
+        low, high = min(r[key] for r in of), max(r[key] for r in of)
         return f"{low:.0f}" if round(low) == round(high) else f"{low:.0f}-{high:.0f}"
     loads = ", ".join(f"{r['load_before']:.1f}" for r in runs)
     return (f"{result['tests']} tests in {spread('pytest_s')} s as pytest reports it "
-            f"({spread('wall_s')} s wall) over {len(runs)} runs on {result['machine']}, "
-            f"load average {loads} at their start (`benchmarks/fast_tier.py`, "
-            f"{result['date']})")
+            f"({spread('wall_s')} s wall) with two workers, "
+            f"{spread('pytest_s', result['one_process_runs'])} s in one process, over "
+            f"{len(runs)} runs each on {result['machine']}, load average {loads} at the "
+            f"two-worker runs' start (`benchmarks/fast_tier.py`, {result['date']})")
 
 
 @generator("search-table", needs="files")
