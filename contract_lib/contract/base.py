@@ -140,6 +140,15 @@ def result(clause: int, loop: str, rows: pd.DataFrame | list[dict[str, Any]], no
     return ClauseResult(clause, status, note, violations(clause, loop, rows))
 
 
+def ordered_by(table: pd.DataFrame, column: str) -> pd.DataFrame:
+    """``table`` stably sorted by ``column``: the table itself when it already is (the
+    capture records steps, launches and request rows in step order, and a sort copies
+    every column). Read the result, do not edit it."""
+    if table[column].is_monotonic_increasing:
+        return table
+    return table.sort_values(column, kind="stable")
+
+
 def live_mask(requests: pd.DataFrame) -> pd.Series:
     """Live request rows: holding a ``req_to_token`` row, not finished, launched."""
     return (~requests["finished"].astype(bool) & requests["req_pool_idx"].notna()
@@ -164,11 +173,17 @@ def emitted_tokens(frames) -> dict[str, list[int]]:
 
 
 @derived
+def by_request(frames) -> pd.DataFrame:
+    """The requests table sorted by request, then step (stable), shared within a check."""
+    return frames.requests.sort_values(["rid", "step"], kind="stable")
+
+
+@derived
 def retractions(frames) -> tuple[pd.DataFrame, pd.Series, pd.Series]:
     """The requests table sorted by request then step, whether each row is the same
     request as the row before, and whether the request gave its ``req_to_token`` row
     back unfinished at that step (retracted or preempted)."""
-    ordered = frames.requests.sort_values(["rid", "step"], kind="stable")
+    ordered = by_request(frames)
     same = ordered["rid"].eq(ordered["rid"].shift(1))
     gave_back = (same & ordered["req_pool_idx"].shift(1).notna()
                  & ordered["req_pool_idx"].isna() & ~ordered["finished"].astype(bool))

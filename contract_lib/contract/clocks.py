@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from contract_lib.contract.base import ClauseResult, NotExercised, result
+from contract_lib.contract.base import ClauseResult, NotExercised, ordered_by, result
 from contract_lib.contract.known import PREDICTION_COLUMNS, known_bug, no_prediction
 from contract_lib.contract.registry import EXTENSIONS, clause
 from contract_lib.frames import Frames
@@ -61,7 +61,7 @@ def _no_clock(frames: Frames) -> str | None:
 def check_clocks(frames: Frames) -> ClauseResult:
     """Clause 6: ``processed_tokens_counter`` advances by the tokens each step prefilled."""
     loop = frames.loop
-    steps = frames.steps.sort_values("step")
+    steps = ordered_by(frames.steps, "step")
     launches = frames.launches
     counter = dict(zip(steps["step"].tolist(),
                        steps["processed_tokens_counter"].astype("int64").tolist()))

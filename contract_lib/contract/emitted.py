@@ -9,10 +9,12 @@ from __future__ import annotations
 import pandas as pd
 
 from contract_lib.contract.base import (
+    by_request,
     emitted_tokens,
     first_step_showing,
     handoffs,
     ints,
+    ordered_by,
     retractions,
 )
 from contract_lib.contract.radix import run_arg
@@ -86,7 +88,7 @@ def _produced(launches: pd.DataFrame, known: set[str], handed_off: dict[str, int
     by_first: dict[str, list[str]] = {}  # known ids by their first fragment
     for rid in known:
         by_first.setdefault(rid.split(",")[0], []).append(rid)
-    ordered = launches.sort_values("launch")
+    ordered = ordered_by(launches, "launch")
     for rids, tokens in zip(ordered["rids"], ordered["tokens"]):
         if not isinstance(tokens, str):
             continue
@@ -150,7 +152,7 @@ def ended_where_sglang_ended_it(frames: Frames, order: int) -> list[pd.DataFrame
     the abort SGLang sent it), and a finish on a stop token ends it at the first
     occurrence of the token it matched (``finish_matched``; a stop string's is not
     read). First step each, per request."""
-    requests = frames.requests.sort_values(["rid", "step"], kind="stable")
+    requests = by_request(frames)
     ended = requests[requests["finished"].astype(bool)].drop_duplicates("rid").set_index(
         "rid")  # each request's first ended row
     if ended.empty:
@@ -159,13 +161,13 @@ def ended_where_sglang_ended_it(frames: Frames, order: int) -> list[pd.DataFrame
     end_emitted = requests["rid"].map(ended["emitted"])
     after = requests[(requests["step"] > end_step) & (requests["emitted"] > end_emitted)
                      ].drop_duplicates("rid")
-    rows = [{"field": "output_ids", "step": int(row.step), "rid": row.rid,
-             "expected": int(ended.at[row.rid, "emitted"]), "actual": int(row.emitted),
+    rows = [{"field": "output_ids", "step": int(step), "rid": rid,
+             "expected": int(ended.at[rid, "emitted"]), "actual": int(emitted),
              "explanation": f"tokens emitted after the request ended at step "
-                            f"{int(ended.at[row.rid, 'step'])} "
-                            f"({ended.at[row.rid, 'finish_reason'] or 'abort'}): it was "
+                            f"{int(ended.at[rid, 'step'])} "
+                            f"({ended.at[rid, 'finish_reason'] or 'abort'}): it was "
                             "computed for a client told it was done", "order": order}
-            for row in after.itertuples(index=False)]
+            for step, rid, emitted in zip(after["step"], after["rid"], after["emitted"])]
     last = requests.drop_duplicates("rid", keep="last")
     stops = last[(last["finish_reason"] == "stop") & last["finish_matched"].notna()
                  & ~last["rid"].isin(after["rid"])]
@@ -199,7 +201,7 @@ def first_token_after_the_prompt(frames: Frames, order: int) -> list[pd.DataFram
     comma is judged only when its prompt was not computed at all by then.) Not judged
     on a PD decode side for a request prefilled elsewhere: its first token came with
     its transferred KV (``prebuilt``), committed before any local launch."""
-    requests = frames.requests.sort_values("step", kind="stable")
+    requests = ordered_by(frames.requests, "step")
     requests = requests[~requests["rid"].isin(list(handoffs(frames)))]
     first = requests[(requests["emitted"] > 0) & requests["kv_computed"].notna()
                      ].drop_duplicates("rid")
@@ -210,13 +212,17 @@ def first_token_after_the_prompt(frames: Frames, order: int) -> list[pd.DataFram
     computed_at = first["rid"].map(whole)
     early = computed_at.isna() | (computed_at > first["step"])
     # The launch that first computed the whole prompt: the first launch, in the step
-    # before that, with the request among its lanes.
-    lanes = frames.launches[["launch", "step", "rids", "processed_step"]].assign(
-        rid=lambda t: t["rids"].fillna("").str.split(",")).explode("rid")
-    lanes = lanes.sort_values("launch", kind="stable").drop_duplicates(["rid", "step"])
-    launch = first[~early].assign(step=computed_at[~early] - 1)[["rid", "step"]].merge(
-        lanes[["rid", "step", "processed_step"]], on=["rid", "step"], how="left")
-    processed = pd.Series(launch["processed_step"].to_numpy(), index=first.index[~early])
+    # before that, with the request among its lanes -> when its result was processed.
+    launches = frames.launches
+    processed_at: dict[tuple[str, int], float] = {}
+    for _, step, rids, processed_step in sorted(zip(
+            launches["launch"], launches["step"], launches["rids"],
+            launches["processed_step"]), key=lambda lane: lane[0]):
+        for rid in (rids if isinstance(rids, str) else "").split(","):
+            processed_at.setdefault((rid, int(step)), float(processed_step))
+    processed = pd.Series([processed_at.get((rid, int(at) - 1), float("nan")) for rid, at
+                           in zip(first.loc[~early, "rid"], computed_at[~early])],
+                          index=first.index[~early], dtype="float64")
     unprocessed = processed.notna() & (first.loc[~early, "step"] <= processed)
     bad = first[early | unprocessed.reindex(first.index, fill_value=False)]
     if bad.empty:

@@ -5,9 +5,17 @@ allocator had the tree evict. Helpers :func:`released_requests`, :func:`committe
 
 from __future__ import annotations
 
+import collections
+
 import pandas as pd
 
-from contract_lib.contract.base import derived, emitted_tokens, handoffs, retractions
+from contract_lib.contract.base import (
+    derived,
+    emitted_tokens,
+    handoffs,
+    ordered_by,
+    retractions,
+)
 from contract_lib.frames import Frames
 
 
@@ -47,7 +55,7 @@ def _disturbed_iterations(frames: Frames) -> list[int]:
     tree may have lost cached tokens: an allocation had it evict, a request was
     retracted (a release path that evicts), or the tree held fewer tokens
     (``kv_evictable + kv_protected``) at the next boundary. Sorted."""
-    steps = frames.steps.sort_values("step")
+    steps = ordered_by(frames.steps, "step")
     size = (steps["kv_evictable"] + steps["kv_protected"]).to_numpy()
     numbers = steps["step"].to_numpy()
     disturbed = set(numbers[:-1][size[1:] < size[:-1]].tolist())
@@ -140,7 +148,7 @@ def cache_hits_counted_once(frames: Frames, order: int) -> list[pd.DataFrame]:
     cached = pd.to_numeric(requests["cached_tokens"], errors="coerce")
     bound = (requests["prompt_len"] - 1).clip(lower=0)
     prefilled = requests[requests["kv_computed"].notna()]
-    first = prefilled.sort_values("step", kind="stable").drop_duplicates("rid")
+    first = ordered_by(prefilled, "step").drop_duplicates("rid")
     at_first = requests["rid"].map(dict(zip(first["rid"], cached[first.index])))
     since = requests["rid"].map(dict(zip(first["rid"], first["step"])))
     over = cached.notna() & (cached > bound)
@@ -208,15 +216,16 @@ def _alone_first_prefill(frames: Frames, first: pd.DataFrame) -> dict[str, int]:
     launches = frames.launches
     if "kv_prefilled" not in first or "prefilled_tokens" not in launches:
         return {}  # frames recorded before these columns
-    alone = launches[launches["mode"].isin(["extend", "prefill"])
-                     & ~launches["chained"].astype(bool)]
-    per_step = launches.groupby("step")["launch"].count()
-    alone = alone[alone["step"].map(per_step) == 1].set_index("step")
+    per_step = collections.Counter(launches["step"].tolist())
+    alone = {step: (rids, tokens) for step, mode, chained, rids, tokens in zip(
+        launches["step"].tolist(), launches["mode"], launches["chained"].astype(bool),
+        launches["rids"], launches["prefilled_tokens"])
+        if mode in ("extend", "prefill") and not chained and per_step[step] == 1}
     found = {}
     for rid, step, prefilled in zip(first["rid"], first["step"], first["kv_prefilled"]):
-        launch = alone.loc[step - 1] if step - 1 in alone.index else None
-        if launch is not None and launch["rids"] == rid and prefilled == prefilled:
-            found[rid] = int(prefilled) - int(launch["prefilled_tokens"])
+        rids, tokens = alone.get(step - 1, (None, None))
+        if rids == rid and prefilled == prefilled:
+            found[rid] = int(prefilled) - int(tokens)
     return found
 
 
@@ -238,7 +247,7 @@ def released_requests(frames: Frames) -> pd.DataFrame:
                     & requests["finish_reason"].isin(["length", "stop"])
                     & requests["kv_committed_len"].notna()
                     & requests["cache_protected_len"].notna()]
-    return done.sort_values("step", kind="stable").drop_duplicates("rid")
+    return ordered_by(done, "step").drop_duplicates("rid")
 
 
 def committed_pages(frames: Frames, released: pd.DataFrame) -> pd.Series:

@@ -17,6 +17,7 @@ from contract_lib.contract.base import (
     ClauseResult,
     NotExercised,
     one_check,
+    ordered_by,
     violations,
 )
 from contract_lib.contract.idle import never_overlapped
@@ -285,7 +286,7 @@ def aborted_requests(frames: Frames) -> pd.DataFrame:
     requests = frames.requests
     if "finish_reason" not in requests or requests.empty:
         return pd.DataFrame(columns=ABORTED_COLUMNS)
-    last = requests.sort_values("step", kind="stable").groupby("rid", sort=False).tail(1)
+    last = ordered_by(requests, "step").groupby("rid", sort=False).tail(1)
     aborted = last[last["finish_reason"] == "abort"]
     expected = set((frames.meta.get("expect") or {}).get("aborted", ()))
     messages = [m if isinstance(m, str) and m else "(no message)"  # None or NaN: none

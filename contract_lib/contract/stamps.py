@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from contract_lib.contract.base import ClauseResult, result
+from contract_lib.contract.base import ClauseResult, ordered_by, result
 from contract_lib.contract.registry import clause
 from contract_lib.frames import Frames
 
@@ -40,7 +40,7 @@ def _rows(field: str, bad: pd.DataFrame, step: str, expected, actual,
         unexercised=_nothing_launched)
 def check_stamps(frames: Frames) -> ClauseResult:
     loop = frames.loop
-    launches = frames.launches.sort_values("launch")
+    launches = ordered_by(frames.launches, "launch")
     ct = launches["forward_ct"].astype("int64")
     expected_ct = ct.shift(1, fill_value=int(frames.steps["forward_ct"].iloc[0])) + 1
     bad_ct = launches[ct != expected_ct]
