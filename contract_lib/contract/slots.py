@@ -64,11 +64,21 @@ def slot_states(frames: Frames) -> pd.DataFrame:
     """
     alive = live_requests(frames)[["step", "rid", "kv_computed", "cache_protected_len"]]
     slots = frames.slots.merge(alive, on=["step", "rid"], how="inner")
-    forward = frames.forward_slots.assign(step=frames.forward_slots["step"] + 1).rename(
-        columns={"slot": "forward_slot"})[["step", "rid", "position", "forward_slot"]]
-    slots = slots.merge(forward.drop_duplicates(["step", "rid", "position"], keep="last"),
-                        on=["step", "rid", "position"], how="left")
-    slots = slots.merge(_slot_positions(frames), on=["step", "slot"], how="left")
+    if frames.forward_slots.empty and len(slots):  # the column a merge would add (NaN)
+        slots = slots.assign(forward_slot=float("nan"))
+    else:
+        forward = frames.forward_slots.assign(step=frames.forward_slots["step"] + 1).rename(
+            columns={"slot": "forward_slot"})[["step", "rid", "position", "forward_slot"]]
+        slots = slots.merge(forward.drop_duplicates(["step", "rid", "position"],
+                                                    keep="last"),
+                            on=["step", "rid", "position"], how="left")
+    positions = _slot_positions(frames)
+    if positions.empty:  # the columns a merge with no row would add (~1.3 ms less)
+        slots = slots.assign(slot_position=float("nan"),
+                             slot_writer=pd.Series(float("nan"), index=slots.index,
+                                                   dtype=object))
+    else:
+        slots = slots.merge(positions, on=["step", "slot"], how="left")
     computed = slots["position"] < slots["kv_computed"]
     inside = slots[computed]
     # Only a slot entered more than once at a step can be shared: group those alone.
