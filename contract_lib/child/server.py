@@ -123,7 +123,8 @@ class WarmServer:
                     self._exit()
                 timeout = max(idle_left, 0.0)
             begun = [r.started for r in self.incoming.values() if r.started is not None]
-            if begun:  # wake when the oldest unfinished message is overdue (a stalled client)
+            if begun:  # wake when the oldest unfinished message is overdue (a stalled
+                # client): just past its timeout, as ``overdue`` wants more than it
                 due = max(min(begun) + self.message_timeout - time.monotonic(), 0.0) + 0.01
                 timeout = due if timeout is None else min(timeout, due)
             for key, _ in self.selector.select(timeout):

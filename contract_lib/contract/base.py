@@ -21,17 +21,17 @@ VIOLATION_COLUMNS = ["clause", "name", "field", "loop", "step", "launch", "rid",
 
 
 # What the rules of one check derive from the run's frames (:func:`derived`), by
-# (function, frames, arguments); None outside :func:`one_check`.
+# (function, frames); None outside :func:`one_check`.
 _ONE_CHECK: contextvars.ContextVar[dict | None] = contextvars.ContextVar("_ONE_CHECK",
                                                                          default=None)
-_Derived = TypeVar("_Derived", bound=Callable[..., Any])
+_Derived = TypeVar("_Derived")
 
 
 @contextlib.contextmanager
 def one_check() -> Iterator[None]:
     """Within one check of one run (:func:`~contract_lib.contract.report.check`), what
-    several rules derive from its frames (:func:`derived`) is computed once: ~5 ms of a
-    check's ~60 ms. The frames cannot change meanwhile; nothing is kept after it."""
+    several rules derive from its frames (:func:`derived`) is computed once, not two to
+    five times. The frames cannot change meanwhile; nothing is kept after it."""
     token = _ONE_CHECK.set({})
     try:
         yield
@@ -39,20 +39,20 @@ def one_check() -> Iterator[None]:
         _ONE_CHECK.reset(token)
 
 
-def derived(function: _Derived) -> _Derived:
-    """A function of a run's frames (and hashable arguments) whose result the rules share
-    within :func:`one_check`, read-only; outside one it is computed at every call."""
+def derived(function: Callable[[Any], _Derived]) -> Callable[[Any], _Derived]:
+    """A function of a run's frames whose result the rules share within
+    :func:`one_check`, read-only; outside one it is computed at every call."""
     @functools.wraps(function)
-    def shared(frames, *args):
+    def shared(frames) -> _Derived:
         memo = _ONE_CHECK.get()
         if memo is None:
-            return function(frames, *args)
-        key = (function, id(frames), args)  # the frames outlive the check's memo
+            return function(frames)
+        key = (function, id(frames))  # the frames outlive the check's memo
         if key not in memo:
-            memo[key] = function(frames, *args)
+            memo[key] = function(frames)
         return memo[key]
 
-    return shared  # type: ignore[return-value]
+    return shared
 
 
 class NotExercised(Exception):

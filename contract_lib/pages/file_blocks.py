@@ -71,10 +71,10 @@ def fast_tier_time_phrase() -> str:
         return f"{low:.0f}" if round(low) == round(high) else f"{low:.0f}-{high:.0f}"
     loads = ", ".join(f"{r['load_before']:.1f}" for r in runs)
     return (f"{result['tests']} tests in {spread('pytest_s')} s as pytest reports it "
-            f"({spread('wall_s')} s wall) with two workers, "
+            f"({spread('wall_s')} s wall) as `{result['command']}`, "
             f"{spread('pytest_s', result['one_process_runs'])} s in one process, over "
             f"{len(runs)} runs each on {result['machine']}, load average {loads} at the "
-            f"two-worker runs' start (`benchmarks/fast_tier.py`, {result['date']})")
+            f"start of the first command's runs (`benchmarks/fast_tier.py`, {result['date']})")
 
 
 @generator("search-table", needs="files")
