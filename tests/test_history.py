@@ -29,6 +29,7 @@ from contract_lib.campaigns.saved_history import (
 )
 from contract_lib.cli import main
 from contract_lib.contract import HOLDS, MASKED, NOT_PRESENT, VIOLATED, check, kv_damage
+from contract_lib.frames import FramesFormatError
 from contract_lib.paths import SWEEP_DIR
 from contract_lib.sources.versions import SUPPORTED_SGLANG_VERSIONS
 from contract_lib.workloads import workload_names
@@ -101,6 +102,15 @@ def test_saving_the_same_run_again_keeps_the_file(tmp_path):
     again.launches.loc[again.launches.index[0], "forward_ct"] += 1
     assert save_run(again, tmp_path) == (path, True)
     assert load_file(path).launches["forward_ct"].equals(again.launches["forward_ct"])
+
+
+@fast
+@pytest.mark.parametrize("content", [b"{}", b"\x1f\x8b\x08\x00cut"], ids=["plain", "cut"])
+def test_a_saved_run_that_is_not_gzipped_json_names_its_file(tmp_path, content):
+    path = tmp_path / "two-turn.mlx.json.gz"
+    path.write_bytes(content)
+    with pytest.raises(FramesFormatError, match=f"{path}: not a gzipped frames file"):
+        load_file(path)
 
 
 @fast

@@ -11,11 +11,12 @@ from __future__ import annotations
 import functools
 import gzip
 import json
+import zlib
 from pathlib import Path
 
 from contract_lib.campaigns.run_diff import first_difference
 from contract_lib.campaigns.status import ReleasesStatus, checked_releases
-from contract_lib.frames import Frames, parse_payload
+from contract_lib.frames import Frames, FramesFormatError, parse_payload
 from contract_lib.paths import HISTORY_DIR, SWEEP_DIR
 from contract_lib.sources.versions import SUPPORTED_SGLANG_VERSIONS
 from contract_lib.workloads import workload_names
@@ -61,7 +62,10 @@ def _same_run(saved: Frames, frames: Frames) -> bool:
 @functools.lru_cache(maxsize=None)
 def _parsed(path: Path) -> Frames:
     """The run a file holds, parsed and typed once (:func:`save_run` forgets them all)."""
-    text = gzip.decompress(path.read_bytes()).decode()
+    try:
+        text = gzip.decompress(path.read_bytes()).decode()
+    except (gzip.BadGzipFile, EOFError, zlib.error, UnicodeDecodeError) as exc:
+        raise FramesFormatError(f"{path}: not a gzipped frames file ({exc})") from None
     return Frames.from_payload(parse_payload(text, path), path)
 
 
