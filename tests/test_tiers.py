@@ -66,6 +66,38 @@ def test_a_fast_test_that_imports_sglang_fails_the_tier(tmp_path, workers):
     assert "the fast tier imported sglang" in ran.stdout + ran.stderr
 
 
+_IRIS = ["https://example.com/a?b#c", "http://例え.jp/パス", "not an iri", "//no-scheme",
+         "http://[::1]:80/", "mailto:a@b", "", 7]
+
+
+def _iri_answers(deferred: bool) -> tuple[bool, list[bool], bool]:
+    """In a fresh process (with tests/pytest_startup.py's stand-in first when
+    ``deferred``): whether importing jsonschema built the IRI grammar, jsonschema's
+    ``iri`` answers for :data:`_IRIS`, and whether answering built it."""
+    probe = ("import sys\n"
+             f"sys.path.insert(0, {str(TESTS)!r})\n"
+             + ("import pytest_startup\n" if deferred else "")
+             + "import jsonschema\n"
+             "built = 'rfc3987_syntax.syntax_helpers' in sys.modules\n"
+             "checker = jsonschema.FormatChecker()\n"
+             f"answers = [checker.conforms(value, 'iri') for value in {_IRIS!r}]\n"
+             "print(repr((built, answers, 'rfc3987_syntax.syntax_helpers' in sys.modules)))")
+    ran = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    return eval(ran.stdout)
+
+
+def test_pytest_start_up_defers_the_iri_grammar_and_keeps_its_answers():
+    """Every pytest process loads tests/pytest_startup.py first: jsonschema (nbval's
+    import) then builds no IRI grammar until an ``iri`` check needs it (~0.8 s per
+    process), and its answers are the real module's."""
+    built, deferred, used = _iri_answers(deferred=True)
+    real_built, real, _ = _iri_answers(deferred=False)
+    assert real_built and not built and used
+    assert deferred == real and True in real and False in real
+
+
 @pytest.mark.parametrize("name", sorted(p.stem for p in FIXTURES.glob("*.json")))
 def test_the_committed_frames_are_todays_runs(run_cached, name):
     """Else re-run ``scripts/make-fixtures`` (a change in what runs record, or in SGLang)."""
