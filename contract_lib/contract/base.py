@@ -8,6 +8,7 @@ import dataclasses
 import functools
 from typing import Any, Callable, Iterator, TypeVar
 
+import numpy as np
 import pandas as pd
 
 from contract_lib.contract.registry import CLAUSES
@@ -160,9 +161,42 @@ def live(requests: pd.DataFrame) -> pd.DataFrame:
 
 
 @derived
+def request_columns(frames) -> dict[str, np.ndarray]:
+    """The requests table's columns as numpy arrays (strings, and bools with a missing
+    value, as objects), shared within a check: read, do not edit. The rules compute
+    their masks on these (~5 us an operation; ~100 us in pandas on a table of tens of
+    rows) and build violation rows from the table."""
+    return {name: column.to_numpy() for name, column in frames.requests.items()}
+
+
+@derived
+def live_rows(frames) -> np.ndarray:
+    """:func:`live_mask` of the run's requests table, as a numpy array shared within a
+    check."""
+    columns = request_columns(frames)
+    return (~columns["finished"].astype(bool) & pd.notna(columns["req_pool_idx"])
+            & pd.notna(columns["kv_computed"]))
+
+
+@derived
 def live_requests(frames) -> pd.DataFrame:
     """The run's live request rows (:func:`live`), shared within a check."""
-    return live(frames.requests)
+    return frames.requests[live_rows(frames)]
+
+
+@derived
+def in_step_order(frames) -> np.ndarray:
+    """The requests table's row positions in step order (stable), shared within a check."""
+    return np.argsort(request_columns(frames)["step"], kind="stable")
+
+
+def first_of_each(rids: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Of ``rows`` (row positions in the order they count), each request's first, in
+    that order (``drop_duplicates("rid")`` of those rows)."""
+    if not len(rows):
+        return rows
+    _, first = np.unique(rids[rows], return_index=True)
+    return rows[np.sort(first)]
 
 
 @derived
@@ -173,21 +207,28 @@ def emitted_tokens(frames) -> dict[str, list[int]]:
 
 
 @derived
-def by_request(frames) -> pd.DataFrame:
-    """The requests table sorted by request, then step (stable), shared within a check."""
-    return frames.requests.sort_values(["rid", "step"], kind="stable")
+def by_request(frames) -> np.ndarray:
+    """The requests table's row positions sorted by request, then step (stable), shared
+    within a check."""
+    columns = request_columns(frames)
+    codes, _ = pd.factorize(columns["rid"], sort=True, use_na_sentinel=False)
+    return np.lexsort((columns["step"], codes))
 
 
 @derived
-def retractions(frames) -> tuple[pd.DataFrame, pd.Series, pd.Series]:
-    """The requests table sorted by request then step, whether each row is the same
-    request as the row before, and whether the request gave its ``req_to_token`` row
-    back unfinished at that step (retracted or preempted)."""
-    ordered = by_request(frames)
-    same = ordered["rid"].eq(ordered["rid"].shift(1))
-    gave_back = (same & ordered["req_pool_idx"].shift(1).notna()
-                 & ordered["req_pool_idx"].isna() & ~ordered["finished"].astype(bool))
-    return ordered, same, gave_back
+def retractions(frames) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The requests table's row positions sorted by request then step
+    (:func:`by_request`), and in that order: whether each row is the same request as
+    the row before, and whether the request gave its ``req_to_token`` row back
+    unfinished at that step (retracted or preempted)."""
+    order, columns = by_request(frames), request_columns(frames)
+    rid, held = columns["rid"][order], pd.notna(columns["req_pool_idx"][order])
+    same = np.zeros(len(order), dtype=bool)
+    same[1:] = rid[1:] == rid[:-1]
+    gave_back = np.zeros(len(order), dtype=bool)
+    gave_back[1:] = same[1:] & held[:-1] & ~held[1:]
+    gave_back &= ~columns["finished"][order].astype(bool)
+    return order, same, gave_back
 
 
 def first_step_showing(requests: pd.DataFrame, index_by_rid: dict[str, int]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import numpy as np
 import pandas as pd
 
 from contract_lib.contract.base import (
@@ -36,7 +37,9 @@ from contract_lib.contract.base import (
     ClauseResult,
     live_mask,
     live_requests,
+    live_rows,
     no_rows,
+    request_columns,
     result,
     violations,
 )
@@ -78,12 +81,14 @@ def _no_live_request(frames: Frames) -> str | None:
 def counters_equal_the_positions_computed(frames: Frames) -> list[pd.DataFrame]:
     """``seq_lens``, ``kv_committed_len`` and ``kv_allocated_len`` of every live request
     equal ``kv_computed`` (order 0-2: one per counter)."""
-    alive = live_requests(frames)
+    columns, live = request_columns(frames), live_rows(frames)
     parts = []
     for order, (column, field) in enumerate(_COUNTERS.items()):
-        bad = alive[alive[column].notna() & (alive[column] != alive["kv_computed"])]
-        if bad.empty:
+        counter = columns[column]
+        wrong = live & pd.notna(counter) & (counter != columns["kv_computed"])
+        if not wrong.any():
             continue
+        bad = frames.requests[wrong]
         computed, value = bad["kv_computed"].astype("int64"), bad[column].astype("int64")
         direction = pd.Series("lags", index=bad.index).where(value < computed, "leads")
         parts.append(pd.DataFrame({
@@ -105,10 +110,12 @@ def the_tree_keeps_what_was_committed(frames: Frames) -> list[pd.DataFrame]:
     owned = committed_pages(frames, released)
     # What the tree kept, where the release records it (else the reuse rule alone).
     recorded = "cache_protected_len" not in frames.absent
-    kept = released["cache_protected_len"].astype("int64") if recorded else owned
-    bad = released[kept < owned]
+    kept = pd.Series(released["cache_protected_len"].to_numpy(dtype="int64"),
+                     index=released.index) if recorded else owned
+    lost = kept.to_numpy() < owned.to_numpy()
     parts = []
-    if len(bad):
+    if lost.any():
+        bad = released[lost]
         parts.append(pd.DataFrame({
             "field": "cache_protected_len", "step": bad["step"].astype("int64"),
             "rid": bad["rid"], "expected": owned[bad.index].astype(object),
@@ -118,8 +125,8 @@ def the_tree_keeps_what_was_committed(frames: Frames) -> list[pd.DataFrame]:
                            "committed when it was released: a later request with this "
                            "prefix prefills the rest again (silent cache loss)",
             "order": RADIX}))
-    return parts + reused_what_the_tree_kept(frames, released, kept.clip(upper=owned),
-                                             order=RADIX)
+    return parts + reused_what_the_tree_kept(
+        frames, released, np.minimum(kept.to_numpy(), owned.to_numpy()), order=RADIX)
 
 
 @dataclasses.dataclass(frozen=True)

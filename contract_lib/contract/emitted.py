@@ -6,6 +6,7 @@ was computed, and each retraction counted. Called by :mod:`.counters`."""
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 from contract_lib.contract.base import (
@@ -15,6 +16,7 @@ from contract_lib.contract.base import (
     handoffs,
     ints,
     ordered_by,
+    request_columns,
     retractions,
 )
 from contract_lib.contract.radix import run_arg
@@ -152,7 +154,7 @@ def ended_where_sglang_ended_it(frames: Frames, order: int) -> list[pd.DataFrame
     the abort SGLang sent it), and a finish on a stop token ends it at the first
     occurrence of the token it matched (``finish_matched``; a stop string's is not
     read). First step each, per request."""
-    requests = by_request(frames)
+    requests = frames.requests.iloc[by_request(frames)]
     ended = requests[requests["finished"].astype(bool)].drop_duplicates("rid").set_index(
         "rid")  # each request's first ended row
     if ended.empty:
@@ -286,13 +288,16 @@ def retractions_counted(frames: Frames, order: int) -> list[pd.DataFrame]:
     """A request that gives its ``req_to_token`` row back before it ended was retracted
     (or preempted), and SGLang counts it (``retraction_count``, its ``num_retractions``):
     between two steps the count rises by exactly the retractions seen."""
-    requests, same, gave_back = retractions(frames)
-    retracted = gave_back.astype("int64")
-    counted = pd.to_numeric(requests["retractions"], errors="coerce")
-    rise = (counted - counted.shift(1)).where(same)
-    bad = requests[rise.notna() & (rise != retracted)]
-    if bad.empty:
+    by_request_rows, same, gave_back = retractions(frames)
+    counted = request_columns(frames)["retractions"][by_request_rows].astype("float64")
+    rise = np.full(len(by_request_rows), np.nan)
+    rise[1:] = np.where(same[1:], counted[1:] - counted[:-1], np.nan)
+    if not (~np.isnan(rise) & (rise != gave_back)).any():
         return []
+    requests = frames.requests.iloc[by_request_rows]
+    retracted = pd.Series(gave_back.astype("int64"), index=requests.index)
+    counted = pd.Series(counted, index=requests.index)
+    bad = requests[~np.isnan(rise) & (rise != gave_back)]
     return [pd.DataFrame({
         "field": "retraction_count", "step": bad["step"].astype("int64"), "rid": bad["rid"],
         "expected": (counted.shift(1) + retracted)[bad.index].astype("int64").astype(object),

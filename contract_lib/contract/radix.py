@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import collections
 
+import numpy as np
 import pandas as pd
 
 from contract_lib.contract.base import (
     derived,
     emitted_tokens,
+    first_of_each,
     handoffs,
+    in_step_order,
     ordered_by,
+    request_columns,
     retractions,
 )
 from contract_lib.frames import Frames
@@ -63,12 +67,13 @@ def _disturbed_iterations(frames: Frames) -> list[int]:
     if evictions is not None and len(evictions):
         gone = evictions["evictable_after"] < evictions["evictable_before"]
         disturbed.update(evictions.loc[gone, "step"].astype("int64").tolist())
-    requests, _, gave_back = retractions(frames)
-    disturbed.update((requests.loc[gave_back, "step"].astype("int64") - 1).tolist())
+    by_request_rows, _, gave_back = retractions(frames)
+    steps_given_back = request_columns(frames)["step"][by_request_rows[gave_back]]
+    disturbed.update((steps_given_back - 1).tolist())
     return sorted(disturbed)
 
 
-def reused_what_the_tree_kept(frames: Frames, released: pd.DataFrame, kept: pd.Series,
+def reused_what_the_tree_kept(frames: Frames, released: pd.DataFrame, kept: np.ndarray,
                                order: int) -> list[pd.DataFrame]:
     """A request admitted after a finished request was released reuses what the radix
     tree kept of it: at least the longest prefix its prompt shares with that request's
@@ -84,21 +89,17 @@ def reused_what_the_tree_kept(frames: Frames, released: pd.DataFrame, kept: pd.S
     page = int(run_arg(frames, "page_size") or 1)
     outputs = emitted_tokens(frames)
     disturbed = _disturbed_iterations(frames)
-    holding = requests[requests["req_pool_idx"].notna()]
-    admitted = (holding.groupby("rid")["step"].min() - 1).sort_values(kind="stable")
-    reused = pd.to_numeric(requests["cached_tokens"], errors="coerce").groupby(
-        requests["rid"]).max()
-    prompt_len = requests.groupby("rid")["prompt_len"].first()
+    admitted, reused, prompt_len = _per_request(frames)
     # What the tree kept of each released request, in release order: (step, rid, tokens).
     kept_tokens = sorted(
         (int(step), rid, (list(prompts[rid]) + outputs.get(rid, []))[:int(length)])
-        for step, rid, length in zip(released["step"], released["rid"], kept[released.index])
+        for step, rid, length in zip(released["step"], released["rid"], kept)
         if rid in prompts and length >= page)
     # The hash of each kept page-aligned prefix -> (its latest release step, its rid).
     prefixes: dict[int, tuple[int, str]] = {}
     tokens_of: dict[str, list[int]] = {}
     rows, next_release, cut = [], 0, 0
-    for rid, at in admitted.items():
+    for rid, at in admitted:
         while next_release < len(kept_tokens) and kept_tokens[next_release][0] <= at:
             step, other, tokens = kept_tokens[next_release]
             tokens_of[other], digest = tokens, 0
@@ -108,7 +109,7 @@ def reused_what_the_tree_kept(frames: Frames, released: pd.DataFrame, kept: pd.S
                     prefixes[digest] = (step, other)
             next_release += 1
         prompt = prompts.get(rid)
-        if (prompt is None or rid not in reused.index or reused[rid] != reused[rid]
+        if (prompt is None or reused.get(rid) is None
                 or prompt_len.get(rid) != len(prompt)):
             continue
         while cut < len(disturbed) and disturbed[cut] <= at:
@@ -133,6 +134,29 @@ def reused_what_the_tree_kept(frames: Frames, released: pd.DataFrame, kept: pd.S
     return [pd.DataFrame(rows)] if rows else []
 
 
+def _per_request(frames: Frames) -> tuple[list[tuple[str, int]], dict[str, float],
+                                          dict[str, float]]:
+    """Per request: the boundary before its first step holding a ``req_to_token`` row
+    (when it was admitted; ordered by it, then by request), the most ``cached_tokens``
+    any step shows (absent where none does) and its first ``prompt_len`` shown. One
+    pass over the requests table."""
+    columns = request_columns(frames)
+    admitted: dict[str, int] = {}
+    reused: dict[str, float] = {}
+    prompt_len: dict[str, float] = {}
+    for rid, step, row, cached, length in zip(
+            columns["rid"].tolist(), columns["step"].tolist(),
+            columns["req_pool_idx"].tolist(), columns["cached_tokens"].tolist(),
+            columns["prompt_len"].tolist()):
+        if row == row and row is not None and step - 1 < admitted.get(rid, step):
+            admitted[rid] = step - 1
+        if cached == cached and cached is not None and cached > reused.get(rid, -1):
+            reused[rid] = cached
+        if rid not in prompt_len and length == length and length is not None:
+            prompt_len[rid] = length
+    return sorted(sorted(admitted.items()), key=lambda item: item[1]), reused, prompt_len
+
+
 def cache_hits_counted_once(frames: Frames, order: int) -> list[pd.DataFrame]:
     """SGLang counts a request's cache hit (``cached_tokens``) once, at its first prefill:
     at most one token short of its prompt (its match bound), and unchanged from the
@@ -142,36 +166,38 @@ def cache_hits_counted_once(frames: Frames, order: int) -> list[pd.DataFrame]:
     reports the prefill side's hit (``_commit_transfer_to_req``,
     ``disaggregation/decode.py:2709``): its first local launch is a decode, whose first
     position is no cache hit, so only the first two rules judge it."""
-    requests = frames.requests
-    if "cached_tokens" not in requests:
+    if "cached_tokens" not in frames.requests:
         return []
-    cached = pd.to_numeric(requests["cached_tokens"], errors="coerce")
-    bound = (requests["prompt_len"] - 1).clip(lower=0)
-    prefilled = requests[requests["kv_computed"].notna()]
-    first = ordered_by(prefilled, "step").drop_duplicates("rid")
-    at_first = requests["rid"].map(dict(zip(first["rid"], cached[first.index])))
-    since = requests["rid"].map(dict(zip(first["rid"], first["step"])))
-    over = cached.notna() & (cached > bound)
-    changed = cached.notna() & at_first.notna() & (requests["step"] > since) & (
-        cached != at_first)
-    computed_from = _first_computed_position(frames, first)
+    columns, by_step = request_columns(frames), in_step_order(frames)
+    rids, steps = columns["rid"], columns["step"]
+    cached = columns["cached_tokens"].astype("float64")
+    bound = np.maximum(columns["prompt_len"] - 1, 0)
+    first = first_of_each(rids, by_step[pd.notna(columns["kv_computed"][by_step])])
+    prefilled = columns["kv_prefilled"][first] if "kv_prefilled" in columns else None
+    computed_from = _first_computed_position(frames, rids[first], steps[first], prefilled)
     for rid in handoffs(frames):  # prefilled elsewhere: a decode launch computes first
         computed_from.pop(rid, None)
-    skipped = requests["rid"].map(computed_from)
+    at_first = dict(zip(rids[first].tolist(), cached[first].tolist()))
+    since_step = dict(zip(rids[first].tolist(), steps[first].tolist()))
+    nan = float("nan")
+    at_first, since, skipped = (np.array([known.get(rid, nan) for rid in rids.tolist()],
+                                         dtype="float64")
+                                for known in (at_first, since_step, computed_from))
+    counted = ~np.isnan(cached)
+    over = counted & (cached > bound)
+    changed = counted & ~np.isnan(at_first) & (steps > since) & (cached != at_first)
     # The hit is the prefix the first prefill did not compute (where its slots are known).
-    miscounted = (cached.notna() & skipped.notna() & (requests["step"] == since)
-                  & (cached != skipped))
-    bad = requests[over | changed | miscounted].sort_values(
-        "step", kind="stable").drop_duplicates("rid")
-    if bad.empty:
+    miscounted = counted & ~np.isnan(skipped) & (steps == since) & (cached != skipped)
+    flagged = np.flatnonzero(over | changed | miscounted)
+    if not len(flagged):
         return []
     rows = []
-    for index, row in bad.iterrows():
+    for index in first_of_each(rids, flagged[np.argsort(steps[flagged], kind="stable")]):
         value, prefix = int(cached[index]), skipped[index]
         if over[index]:
             expected, why = (f"<= {int(bound[index])}", f"{value} cached tokens for a "
-                             f"{int(row['prompt_len'])}-token prompt: a cache hit is at "
-                             "most one token short of the prompt")
+                             f"{int(columns['prompt_len'][index])}-token prompt: a cache "
+                             "hit is at most one token short of the prompt")
         elif miscounted[index]:
             expected, why = int(prefix), (
                 f"the first prefill computed from position {int(prefix)} on (its first "
@@ -181,51 +207,60 @@ def cache_hits_counted_once(frames: Frames, order: int) -> list[pd.DataFrame]:
                 f"the cache hit counted at the first prefill ({int(at_first[index])}) "
                 f"grew to {value}: a later chunk or a re-prefill after a retraction was "
                 "counted as a cache hit")
-        rows.append({"field": "cached_tokens", "step": int(row["step"]), "rid": row["rid"],
-                     "expected": expected, "actual": value,
+        rows.append({"field": "cached_tokens", "step": int(steps[index]),
+                     "rid": rids[index], "expected": expected, "actual": value,
                      "explanation": why + " (users' cached_tokens, the hit rate)",
                      "order": order})
     return [pd.DataFrame(rows)]
 
 
-def _first_computed_position(frames: Frames, first: pd.DataFrame) -> dict[str, int]:
+def _first_computed_position(frames: Frames, rids: np.ndarray, steps: np.ndarray,
+                             prefilled: np.ndarray | None) -> dict[str, int]:
     """Per request whose first prefill is known: the first position it computed (the
     prefix it reused), read off the forward's slots where the launch recorded them
     (torch loops, omni), else off a launch that prefilled that request alone (MLX):
     what it prefilled (``prefilled_tokens``) back from where the prefill ended
-    (``kv_prefilled``). ``first``: each request's first row showing a launch."""
-    found = _alone_first_prefill(frames, first)
+    (``kv_prefilled``). ``rids``, ``steps``, ``prefilled``: each request's first row
+    showing a launch, its step and ``kv_prefilled`` (None: not recorded)."""
+    found = _alone_first_prefill(frames, rids, steps, prefilled)
     slots = frames.tables.get("forward_slots")
     if slots is None or slots.empty:
         return found
-    earliest = slots["launch"].eq(slots.groupby("rid")["launch"].transform("min"))
-    prefix = slots[earliest].groupby("rid").agg(launch=("launch", "first"),
-                                                 position=("position", "min"))
-    step_of = frames.launches.drop_duplicates("launch").set_index("launch")["step"]
+    # Each request's earliest launch in the forward's slots, and its least position there.
+    earliest: dict[str, tuple[int, int]] = {}
+    for rid, launch, position in zip(slots["rid"].tolist(), slots["launch"].tolist(),
+                                     slots["position"].tolist()):
+        earliest[rid] = min(earliest.get(rid, (launch, position)), (launch, position))
+    step_of: dict[int, int] = {}
+    for launch, step in zip(frames.launches["launch"].tolist(),
+                            frames.launches["step"].tolist()):
+        step_of.setdefault(launch, step)
     # That launch is the request's first only if no boundary before it showed one.
-    first_shown = prefix.index.map(dict(zip(first["rid"], first["step"])))
-    is_first = first_shown == prefix["launch"].map(step_of) + 1
-    found.update((rid, int(position)) for rid, position in prefix.loc[is_first, "position"].items())
+    first_shown = dict(zip(rids.tolist(), steps.tolist()))
+    found.update((rid, int(position)) for rid, (launch, position) in earliest.items()
+                 if launch in step_of and first_shown.get(rid) == step_of[launch] + 1)
     return found
 
 
-def _alone_first_prefill(frames: Frames, first: pd.DataFrame) -> dict[str, int]:
+def _alone_first_prefill(frames: Frames, rids: np.ndarray, steps: np.ndarray,
+                         prefilled: np.ndarray | None) -> dict[str, int]:
     """:func:`_first_computed_position` from launches that prefilled one request alone:
     the only launch of the step before the request's first launched row, whose lanes
     are that request (not chained, not mixed with decode lanes)."""
     launches = frames.launches
-    if "kv_prefilled" not in first or "prefilled_tokens" not in launches:
+    if prefilled is None or "prefilled_tokens" not in launches:
         return {}  # frames recorded before these columns
     per_step = collections.Counter(launches["step"].tolist())
-    alone = {step: (rids, tokens) for step, mode, chained, rids, tokens in zip(
-        launches["step"].tolist(), launches["mode"], launches["chained"].astype(bool),
-        launches["rids"], launches["prefilled_tokens"])
+    alone = {step: (lanes, tokens) for step, mode, chained, lanes, tokens in zip(
+        launches["step"].tolist(), launches["mode"].tolist(),
+        launches["chained"].to_numpy().astype(bool).tolist(), launches["rids"].tolist(),
+        launches["prefilled_tokens"].tolist())
         if mode in ("extend", "prefill") and not chained and per_step[step] == 1}
     found = {}
-    for rid, step, prefilled in zip(first["rid"], first["step"], first["kv_prefilled"]):
-        rids, tokens = alone.get(step - 1, (None, None))
-        if rids == rid and prefilled == prefilled:
-            found[rid] = int(prefilled) - int(tokens)
+    for rid, step, length in zip(rids.tolist(), steps.tolist(), prefilled.tolist()):
+        lanes, tokens = alone.get(step - 1, (None, None))
+        if lanes == rid and length == length:
+            found[rid] = int(length) - int(tokens)
     return found
 
 
@@ -243,17 +278,19 @@ def released_requests(frames: Frames) -> pd.DataFrame:
     requests = frames.requests
     if run_arg(frames, "disable_radix_cache"):
         return requests.iloc[0:0]
-    done = requests[requests["finished"].astype(bool) & requests["req_pool_idx"].isna()
-                    & requests["finish_reason"].isin(["length", "stop"])
-                    & requests["kv_committed_len"].notna()
-                    & requests["cache_protected_len"].notna()]
-    return ordered_by(done, "step").drop_duplicates("rid")
+    columns, order = request_columns(frames), in_step_order(frames)
+    reason = columns["finish_reason"]
+    done = (columns["finished"].astype(bool) & pd.isna(columns["req_pool_idx"])
+            & ((reason == "length") | (reason == "stop"))
+            & pd.notna(columns["kv_committed_len"]) & pd.notna(columns["cache_protected_len"]))
+    return requests.iloc[first_of_each(columns["rid"], order[done[order]])]
 
 
 def committed_pages(frames: Frames, released: pd.DataFrame) -> pd.Series:
     """What each released request committed, at most its prompt and output (a stop that
     landed before the last committed position), in whole pages."""
     page = int(run_arg(frames, "page_size") or 1)
-    committed = released["kv_committed_len"].astype("int64").clip(
-        upper=(released["prompt_len"] + released["emitted"]).astype("int64"))
-    return committed // page * page
+    committed = np.minimum(released["kv_committed_len"].to_numpy(dtype="int64"),
+                           (released["prompt_len"] + released["emitted"]).to_numpy(
+                               dtype="int64"))
+    return pd.Series(committed // page * page, index=released.index)
