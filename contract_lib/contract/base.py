@@ -152,12 +152,15 @@ def ordered_by(table: pd.DataFrame, column: str) -> pd.DataFrame:
 
 def live_mask(requests: pd.DataFrame) -> pd.Series:
     """Live request rows: holding a ``req_to_token`` row, not finished, launched."""
-    return (~requests["finished"].astype(bool) & requests["req_pool_idx"].notna()
-            & requests["kv_computed"].notna())
+    return pd.Series(_live({name: requests[name].to_numpy() for name in
+                            ("finished", "req_pool_idx", "kv_computed")}),
+                     index=requests.index)
 
 
-def live(requests: pd.DataFrame) -> pd.DataFrame:
-    return requests[live_mask(requests)]
+def _live(columns: dict[str, np.ndarray]) -> np.ndarray:
+    """:func:`live_mask` of these requests columns."""
+    return (~columns["finished"].astype(bool) & pd.notna(columns["req_pool_idx"])
+            & pd.notna(columns["kv_computed"]))
 
 
 @derived
@@ -173,14 +176,12 @@ def request_columns(frames) -> dict[str, np.ndarray]:
 def live_rows(frames) -> np.ndarray:
     """:func:`live_mask` of the run's requests table, as a numpy array shared within a
     check."""
-    columns = request_columns(frames)
-    return (~columns["finished"].astype(bool) & pd.notna(columns["req_pool_idx"])
-            & pd.notna(columns["kv_computed"]))
+    return _live(request_columns(frames))
 
 
 @derived
 def live_requests(frames) -> pd.DataFrame:
-    """The run's live request rows (:func:`live`), shared within a check."""
+    """The run's live request rows (:func:`live_mask`), shared within a check."""
     return frames.requests[live_rows(frames)]
 
 
