@@ -12,8 +12,10 @@ import pandas as pd
 from contract_lib.contract.base import (
     by_request,
     emitted_tokens,
+    first_of_each,
     first_step_showing,
     handoffs,
+    in_step_order,
     ints,
     ordered_by,
     request_columns,
@@ -30,33 +32,39 @@ def served_as_fed(frames: Frames, order: int) -> list[pd.DataFrame]:
     (``output_ids``) as its ``max_new_tokens`` (SGLang's own, after its caps). First
     step each, per request."""
     requests, parts = frames.requests, []
-    prompts = frames.meta.get("prompts") or {}
-    fed = requests["rid"].map({rid: len(prompt) for rid, prompt in prompts.items()})
-    aborted = set(requests.loc[requests["finish_reason"] == "abort", "rid"])
+    columns = request_columns(frames)
+    rids, reason = columns["rid"], columns["finish_reason"]
+    lengths = {rid: len(prompt) for rid, prompt in (frames.meta.get("prompts") or {}).items()}
+    fed = np.array([lengths.get(rid, np.nan) for rid in rids.tolist()], dtype="float64")
+    aborted = set(rids[reason == "abort"].tolist())
     # ``allow_auto_truncate``: SGLang may cut a prompt too long for the context.
     truncates = bool(run_arg(frames, "allow_auto_truncate"))
-    differs = (requests["prompt_len"] > fed) if truncates else (requests["prompt_len"] != fed)
-    bad = requests[fed.notna() & differs
-                   & ~requests["rid"].isin(aborted)].drop_duplicates("rid")
-    if len(bad):
+    held = columns["prompt_len"]
+    differs = (held > fed) if truncates else (held != fed)
+    wrong = ~np.isnan(fed) & differs & np.array([rid not in aborted for rid in rids.tolist()],
+                                                dtype=bool)
+    if wrong.any():
+        bad = requests[wrong].drop_duplicates("rid")
+        fed_bad = pd.Series(fed, index=requests.index)[bad.index].astype("int64")
         parts.append(pd.DataFrame({
             "field": "origin_input_ids", "step": bad["step"].astype("int64"),
-            "rid": bad["rid"], "expected": fed[bad.index].astype("int64").astype(object),
+            "rid": bad["rid"], "expected": fed_bad.astype(object),
             "actual": bad["prompt_len"].astype("int64").astype(object),
             "explanation": "the prompt the scheduler holds is not the prompt fed ("
-                           + fed[bad.index].astype("int64").astype(str) + " tokens): the "
+                           + fed_bad.astype(str) + " tokens): the "
                            "request is computed from another prompt", "order": order}))
-    if "max_new_tokens" in requests:
-        done = requests[(requests["finish_reason"] == "length")
-                        & requests["max_new_tokens"].notna()].drop_duplicates("rid")
+    if "max_new_tokens" in columns:
+        done = first_of_each(rids, np.flatnonzero(
+            (reason == "length") & pd.notna(columns["max_new_tokens"])))
         # A prefill emits its token even when SGLang capped the budget to 0.
-        budget = done["max_new_tokens"].astype("int64").clip(lower=1)
-        bad = done[done["emitted"] != budget]
-        if len(bad):
+        budget = np.maximum(columns["max_new_tokens"][done].astype("int64"), 1)
+        short = columns["emitted"][done] != budget
+        if short.any():
+            bad = requests.iloc[done[short]]
             parts.append(pd.DataFrame({
                 "field": "output_ids", "step": bad["step"].astype("int64"),
                 "rid": bad["rid"],
-                "expected": budget[bad.index].astype(object),
+                "expected": pd.Series(budget[short], index=bad.index).astype(object),
                 "actual": bad["emitted"].astype("int64").astype(object),
                 "explanation": "finished by length after " + bad["emitted"].astype(
                     "int64").astype(str) + " tokens, not its max_new_tokens: the request "
@@ -154,38 +162,49 @@ def ended_where_sglang_ended_it(frames: Frames, order: int) -> list[pd.DataFrame
     the abort SGLang sent it), and a finish on a stop token ends it at the first
     occurrence of the token it matched (``finish_matched``; a stop string's is not
     read). First step each, per request."""
-    requests = frames.requests.iloc[by_request(frames)]
-    ended = requests[requests["finished"].astype(bool)].drop_duplicates("rid").set_index(
-        "rid")  # each request's first ended row
-    if ended.empty:
+    columns, by_rid = request_columns(frames), by_request(frames)
+    rids, steps, emitted = columns["rid"], columns["step"], columns["emitted"]
+    ended = first_of_each(rids, by_rid[columns["finished"][by_rid].astype(bool)])
+    if not len(ended):
         return []
-    end_step = requests["rid"].map(ended["step"])
-    end_emitted = requests["rid"].map(ended["emitted"])
-    after = requests[(requests["step"] > end_step) & (requests["emitted"] > end_emitted)
-                     ].drop_duplicates("rid")
-    rows = [{"field": "output_ids", "step": int(step), "rid": rid,
-             "expected": int(ended.at[rid, "emitted"]), "actual": int(emitted),
+    # Each request's first ended row, and each row against it.
+    end_row = dict(zip(rids[ended].tolist(), ended.tolist()))
+    at_end = np.array([end_row.get(rid, -1) for rid in rids.tolist()])
+    has_end = at_end >= 0
+    went_on = np.zeros(len(rids), dtype=bool)
+    went_on[has_end] = ((steps[has_end] > steps[at_end[has_end]])
+                        & (emitted[has_end] > emitted[at_end[has_end]]))
+    after = first_of_each(rids, by_rid[went_on[by_rid]])
+    rows = [{"field": "output_ids", "step": int(steps[index]), "rid": rids[index],
+             "expected": int(emitted[end]), "actual": int(emitted[index]),
              "explanation": f"tokens emitted after the request ended at step "
-                            f"{int(ended.at[rid, 'step'])} "
-                            f"({ended.at[rid, 'finish_reason'] or 'abort'}): it was "
+                            f"{int(steps[end])} "
+                            f"({columns['finish_reason'][end] or 'abort'}): it was "
                             "computed for a client told it was done", "order": order}
-            for step, rid, emitted in zip(after["step"], after["rid"], after["emitted"])]
-    last = requests.drop_duplicates("rid", keep="last")
-    stops = last[(last["finish_reason"] == "stop") & last["finish_matched"].notna()
-                 & ~last["rid"].isin(after["rid"])]
-    if len(stops):
+            for index, end in ((index, end_row[rids[index]]) for index in after)]
+    # Each request's last row (by request, then step).
+    ordered = rids[by_rid]
+    last = by_rid[np.append(ordered[1:] != ordered[:-1], True)]
+    gone_on = set(rids[after].tolist())
+    matched_at = columns["finish_matched"]
+    stops = [index for index in last if columns["finish_reason"][index] == "stop"
+             and pd.notna(matched_at[index]) and rids[index] not in gone_on]
+    if stops:
         tokens = emitted_tokens(frames)
         wrong = []  # (rid, matched, stop position or None, emitted)
-        for rid, matched in zip(stops["rid"], stops["finish_matched"].astype("int64")):
-            emitted = tokens.get(rid, [])
-            stop = emitted.index(matched) + 1 if matched in emitted else None
-            if stop != len(emitted):
-                wrong.append((rid, int(matched), stop, len(emitted)))
+        for index in stops:
+            rid, matched = rids[index], int(matched_at[index])
+            output = tokens.get(rid, [])
+            stop = output.index(matched) + 1 if matched in output else None
+            if stop != len(output):
+                wrong.append((rid, matched, stop, len(output)))
         # The step the token past the stop shows (outputs are read after the last step:
         # a crashed run's may show none), else the step it ended.
-        past = first_step_showing(requests, {rid: stop for rid, _, stop, _ in wrong if stop})
+        past = first_step_showing(frames.requests,
+                                  {rid: stop for rid, _, stop, _ in wrong if stop})
         rows += [{
-            "field": "output_ids", "step": past.get(rid, int(ended["step"].get(rid, 0))),
+            "field": "output_ids",
+            "step": past.get(rid, int(steps[end_row[rid]]) if rid in end_row else 0),
             "rid": rid, "expected": stop if stop else f"a last token {matched}",
             "actual": count,
             "explanation": f"finished on stop token {matched}, but " + (
@@ -203,33 +222,39 @@ def first_token_after_the_prompt(frames: Frames, order: int) -> list[pd.DataFram
     comma is judged only when its prompt was not computed at all by then.) Not judged
     on a PD decode side for a request prefilled elsewhere: its first token came with
     its transferred KV (``prebuilt``), committed before any local launch."""
-    requests = ordered_by(frames.requests, "step")
-    requests = requests[~requests["rid"].isin(list(handoffs(frames)))]
-    first = requests[(requests["emitted"] > 0) & requests["kv_computed"].notna()
-                     ].drop_duplicates("rid")
-    if first.empty:
+    columns, by_step = request_columns(frames), in_step_order(frames)
+    rids, steps, computed = columns["rid"], columns["step"], columns["kv_computed"]
+    handed_off = handoffs(frames)
+    if handed_off:
+        by_step = by_step[[rid not in handed_off for rid in rids[by_step].tolist()]]
+    first = first_of_each(rids, by_step[(columns["emitted"][by_step] > 0)
+                                        & pd.notna(computed[by_step])])
+    if not len(first):
         return []
-    whole = requests[requests["kv_computed"] >= requests["prompt_len"]].drop_duplicates(
-        "rid").set_index("rid")["step"]
-    computed_at = first["rid"].map(whole)
-    early = computed_at.isna() | (computed_at > first["step"])
+    whole = first_of_each(rids, by_step[computed[by_step] >= columns["prompt_len"][by_step]])
+    whole_at = dict(zip(rids[whole].tolist(), steps[whole].tolist()))
+    computed_at = np.array([whole_at.get(rid, np.nan) for rid in rids[first].tolist()],
+                           dtype="float64")
+    early = np.isnan(computed_at) | (computed_at > steps[first])
     # The launch that first computed the whole prompt: the first launch, in the step
     # before that, with the request among its lanes -> when its result was processed.
     launches = frames.launches
     processed_at: dict[tuple[str, int], float] = {}
-    for _, step, rids, processed_step in sorted(zip(
-            launches["launch"], launches["step"], launches["rids"],
-            launches["processed_step"]), key=lambda lane: lane[0]):
-        for rid in (rids if isinstance(rids, str) else "").split(","):
+    for _, step, lanes, processed_step in sorted(zip(
+            launches["launch"].tolist(), launches["step"].tolist(), launches["rids"].tolist(),
+            launches["processed_step"].tolist()), key=lambda lane: lane[0]):
+        for rid in (lanes if isinstance(lanes, str) else "").split(","):
             processed_at.setdefault((rid, int(step)), float(processed_step))
-    processed = pd.Series([processed_at.get((rid, int(at) - 1), float("nan")) for rid, at
-                           in zip(first.loc[~early, "rid"], computed_at[~early])],
-                          index=first.index[~early], dtype="float64")
-    unprocessed = processed.notna() & (first.loc[~early, "step"] <= processed)
-    bad = first[early | unprocessed.reindex(first.index, fill_value=False)]
-    if bad.empty:
+    processed = np.array([np.nan if too_early else processed_at.get((rid, int(at) - 1), np.nan)
+                          for rid, at, too_early in zip(rids[first].tolist(),
+                                                        computed_at.tolist(), early)],
+                         dtype="float64")
+    unprocessed = ~np.isnan(processed) & (steps[first] <= processed)
+    flagged = early | unprocessed
+    if not flagged.any():
         return []
-    done = processed.reindex(bad.index)
+    bad = frames.requests.iloc[first[flagged]]
+    done = processed[flagged]
     return [pd.DataFrame({
         "field": "output_ids", "step": bad["step"].astype("int64"), "rid": bad["rid"],
         "expected": "first token after the prefill of " + ints(bad["prompt_len"])
@@ -254,24 +279,30 @@ def stopped_at_a_stop_token(frames: Frames, order: int) -> list[pd.DataFrame]:
     stops = frames.meta.get("stop_ids") or {}
     if not stops or run_arg(frames, "disaggregation_mode") == "prefill":
         return []
-    tokens = emitted_tokens(frames)
-    requests = frames.requests
-    last = requests.drop_duplicates("rid", keep="last").set_index("rid")
-    ended = requests[requests["finished"].astype(bool)].drop_duplicates("rid").set_index(
-        "rid")["step"]  # the first step each shows its end
+    tokens, columns = emitted_tokens(frames), request_columns(frames)
+    last: dict[str, int] = {}  # each request's last row
+    ended: dict[str, int] = {}  # the first step each shows its end
+    for index, (rid, step, finished) in enumerate(zip(
+            columns["rid"].tolist(), columns["step"].tolist(),
+            columns["finished"].astype(bool).tolist())):
+        last[rid] = index
+        if finished:
+            ended.setdefault(rid, step)
     rows = []
     for rid, ids in stops.items():
         emitted, ids = tokens.get(rid, []), set(ids)
         at = next((i for i, token in enumerate(emitted) if token in ids), None)
-        if at is None or rid not in last.index:
+        if at is None or rid not in last:
             continue
-        reason, matched = last.at[rid, "finish_reason"], last.at[rid, "finish_matched"]
+        reason = columns["finish_reason"][last[rid]]
+        matched = columns["finish_matched"][last[rid]]
         past = len(emitted) > at + 1
         wrong_finish = reason in ("length", "stop") and not (
             reason == "stop" and matched == emitted[at])
         if past or wrong_finish:
             rows.append({
-                "field": "output_ids", "step": int(ended.get(rid, last.at[rid, "step"])),
+                "field": "output_ids",
+                "step": int(ended.get(rid, columns["step"][last[rid]])),
                 "rid": rid, "expected": f"stop on token {emitted[at]} at {at + 1}",
                 "actual": f"{reason} after {len(emitted)}",
                 "explanation": f"token {at} of the output is stop token {emitted[at]}, and "
@@ -318,12 +349,15 @@ def answered(frames: Frames) -> pd.DataFrame:
     response that never comes (the kind of SGLang #12839's review: ``stream_output``
     dropped for prebuilt batches). Not judged where the release has no
     ``finished_output``. Rows as the other rules' (``field`` ``finished_output``)."""
-    requests = frames.requests
-    if "end_sent" not in requests:
+    columns, by_step = request_columns(frames), in_step_order(frames)
+    if "end_sent" not in columns:
         return pd.DataFrame()
-    ended = requests[requests["finished"].astype(bool)].sort_values(
-        "step", kind="stable").drop_duplicates("rid")
-    bad = ended[ended["end_sent"].notna() & (ended["end_sent"] == False)]  # noqa: E712
+    ended = first_of_each(columns["rid"], by_step[columns["finished"][by_step].astype(bool)])
+    sent = columns["end_sent"][ended]
+    unsent = ended[pd.notna(sent) & (sent == False)]  # noqa: E712
+    if not len(unsent):
+        return pd.DataFrame()
+    bad = frames.requests.iloc[unsent]
     return pd.DataFrame({
         "field": "finished_output", "step": bad["step"].astype("int64"), "rid": bad["rid"],
         "expected": "its end sent to the client", "actual": "never sent",
