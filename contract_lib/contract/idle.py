@@ -24,9 +24,13 @@ import numpy as np
 import pandas as pd
 
 from contract_lib import loops
-from contract_lib.contract.base import ClauseResult, derived, ints, result
+from contract_lib.contract.base import ClauseResult, derived, ints, no_rows, result
 from contract_lib.contract.registry import clause
 from contract_lib.frames import Frames
+
+
+_NO_ROWS = no_rows(field="str", step="int64", expected="str", actual="str",
+                   explanation="str")
 
 
 def _overlap(steps: pd.DataFrame) -> pd.Series:
@@ -96,7 +100,11 @@ def _no_in_flight_work(frames: Frames) -> str | None:
 def check_idle_predicate(frames: Frames) -> ClauseResult:
     loop = frames.loop
     in_flight = _in_flight(frames)
-    bad = in_flight[in_flight["idle_probe"].astype(bool)]
+    note = f"{len(in_flight)} steps with in-flight work checked"
+    probed_idle = in_flight["idle_probe"].to_numpy().astype(bool)
+    if not probed_idle.any():
+        return result(5, loop, _NO_ROWS, note)
+    bad = in_flight[probed_idle]
     masked = ~bad["is_fully_idle"].astype(bool)
     queue = loops.known(loop).in_flight
     elsewhere = pd.Series("", index=bad.index).where(
@@ -113,5 +121,4 @@ def check_idle_predicate(frames: Frames) -> ClauseResult:
             "the predicate reported idle while work was in flight", index=bad.index).where(
             ~masked, f"the in-flight term ignores this loop's {queue}; the real "
                      "predicate said busy only because the running/last batch terms did")})
-    note = f"{len(in_flight)} steps with in-flight work checked"
-    return result(5, loop, rows, note, masked=bool(len(bad)) and bool(masked.all()))
+    return result(5, loop, rows, note, masked=bool(masked.all()))

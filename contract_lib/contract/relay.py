@@ -12,12 +12,16 @@ reached another way) is not "unread".
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 from contract_lib import loops
-from contract_lib.contract.base import HOLDS, ClauseResult, ints, result, violations
+from contract_lib.contract.base import HOLDS, ClauseResult, ints, no_rows, result, violations
 from contract_lib.contract.registry import clause
 from contract_lib.frames import Frames
+
+_NO_ROWS = no_rows(field="str", step="int64", launch="int64", rid="str", expected="str",
+                   actual="str", explanation="str")
 
 
 def _published(value) -> str:
@@ -43,14 +47,21 @@ def _no_decode(frames: Frames) -> str | None:
 def check_relay(frames: Frames) -> ClauseResult:
     loop = frames.loop
     relay = frames.relay
-    reads = relay[relay["event"] == "read"]
-    unread = _fed_unread(relay, reads)
-    wrong = unread[~unread["published_for_rid"].astype(bool)]
-    if reads.empty and wrong.empty:
-        fed = f"; {len(unread)} decode lanes fed their latest token" if len(unread) else ""
+    event = relay["event"].to_numpy(dtype=object)
+    published = relay["published_for_rid"].to_numpy().astype(bool)
+    read, unread = event == "read", _fed_unread(relay, event)
+    wrong = unread & ~published
+    if not read.any() and not wrong.any():
+        fed = f"; {unread.sum()} decode lanes fed their latest token" if unread.any() else ""
         return ClauseResult(4, HOLDS, f"relay never read over {_decode_launches(frames)} "
                             f"decode/mixed launches (provably unread){fed}",
                             violations(4, loop, []))
+    note = f"{read.sum()} relay reads checked"
+    if unread.any():
+        note += f", {unread.sum()} decode lanes fed without one"
+    if not (read & ~published).any() and not wrong.any():
+        return result(4, loop, _NO_ROWS, note)
+    reads = relay[read]
     bad = reads[~reads["published_for_rid"].astype(bool)]
     fate = pd.Series("became the decode input id of the forward", index=bad.index)
     mixed_fate = ("reached batch.input_ids of a mixed batch (torch.cat with the prefill ids; "
@@ -68,12 +79,9 @@ def check_relay(frames: Frames) -> ClauseResult:
         "explanation": "row " + ints(bad["row"]) + " (last published: "
                        + bad["last_published"].map(_published) + ") read unpublished; "
                        "the value " + fate})
-    if len(wrong):
-        rows = pd.concat([rows, _fed_violations(wrong)], ignore_index=True).sort_values(
+    if wrong.any():
+        rows = pd.concat([rows, _fed_violations(relay[wrong])], ignore_index=True).sort_values(
             ["step", "launch"], kind="stable")
-    note = f"{len(reads)} relay reads checked"
-    if len(unread):
-        note += f", {len(unread)} decode lanes fed without one"
     return result(4, loop, rows, note)
 
 
@@ -88,11 +96,16 @@ def _fed_violations(wrong: pd.DataFrame) -> pd.DataFrame:
                        "request's latest token: the model decodes from another token"})
 
 
-def _fed_unread(relay: pd.DataFrame, reads: pd.DataFrame) -> pd.DataFrame:
-    """The ``fed`` rows (a decode lane's input id at the forward) of lanes no recorded
-    read fed: those the read check does not already cover."""
-    fed = relay[relay["event"] == "fed"]
-    if fed.empty:
+def _fed_unread(relay: pd.DataFrame, event: np.ndarray) -> np.ndarray:
+    """Which rows are ``fed`` rows (a decode lane's input id at the forward) of lanes no
+    recorded read fed: those the read check does not already cover."""
+    fed = event == "fed"
+    if not fed.any():
         return fed
-    read = pd.MultiIndex.from_frame(reads[["launch", "rid"]])
-    return fed[~pd.MultiIndex.from_frame(fed[["launch", "rid"]]).isin(read)]
+    launches, rids = relay["launch"].to_numpy(), relay["rid"].to_numpy()
+    read = event == "read"
+    lanes_read = set(zip(launches[read].tolist(), rids[read].tolist()))
+    unread = fed.copy()
+    unread[fed] = [lane not in lanes_read for lane in
+                   zip(launches[fed].tolist(), rids[fed].tolist())]
+    return unread

@@ -5,9 +5,11 @@ conservation law, the aborted requests, and the run's verdict; :func:`check` and
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from contract_lib.contract.base import (
@@ -245,31 +247,37 @@ def check_pool(frames: Frames) -> pd.DataFrame:
     check's law at every step: free rows + rows the requests hold == the pool's rows);
     and steps at which the radix tree protects KV while no request holds a row."""
     steps = frames.steps
-    rows = []  # (step, loop, explanation); columns read by zip, not itertuples (~0.6 ms each)
-    leaks = steps[steps["pool_leak"].astype(bool)]
-    rows += [(int(step), loop, f"available {available} + evictable {evictable} + protected "
-              f"{protected} + uncached {uncached} != total {total}")
-             for step, loop, available, evictable, protected, uncached, total in zip(
-                 *(leaks[name] for name in ("step", "loop", "kv_available", "kv_evictable",
-                                            "kv_protected", "kv_uncached", "kv_total")))]
-    holding = frames.requests[frames.requests["req_pool_idx"].notna()]
-    held = holding.groupby("step")["req_pool_idx"].nunique()
-    counted = steps[steps["rows_free"].notna() & steps["rows_total"].notna()]
-    held = counted["step"].map(held).fillna(0).astype("int64")
-    lost = counted["rows_free"] + held != counted["rows_total"]
-    rows += [(int(step), loop, f"req_to_token rows: free {int(free)} + held by requests "
-              f"{count} != total {int(total)}")
-             for step, loop, free, count, total in zip(
-                 *(counted.loc[lost, name] for name in ("step", "loop", "rows_free")),
-                 held[lost], counted.loc[lost, "rows_total"])]
+    column = {name: steps[name].to_numpy() for name in (
+        "step", "loop", "pool_leak", "kv_available", "kv_evictable", "kv_protected",
+        "kv_uncached", "kv_total", "rows_free", "rows_total")}
+    rows = []  # (step, loop, explanation), from numpy columns (pandas: ~2 ms a run)
+    rows += [(int(column["step"][at]), column["loop"][at],
+              "available {} + evictable {} + protected {} + uncached {} != total {}".format(
+                  *(column[name][at] for name in ("kv_available", "kv_evictable",
+                                                  "kv_protected", "kv_uncached", "kv_total"))))
+             for at in np.flatnonzero(column["pool_leak"].astype(bool))]
+    # The rows the requests hold at each step (each row once).
+    requests = frames.requests
+    holding = requests["req_pool_idx"].notna().to_numpy()
+    held_at = collections.Counter(step for step, _ in set(zip(
+        requests["step"].to_numpy()[holding].tolist(),
+        requests["req_pool_idx"].to_numpy()[holding].tolist())))
+    counted = np.flatnonzero(pd.notna(column["rows_free"]) & pd.notna(column["rows_total"]))
+    held = np.array([held_at.get(step, 0) for step in column["step"][counted].tolist()],
+                    dtype="int64")
+    lost = column["rows_free"][counted] + held != column["rows_total"][counted]
+    rows += [(int(column["step"][at]), column["loop"][at],
+              f"req_to_token rows: free {int(column['rows_free'][at])} + held by requests "
+              f"{count} != total {int(column['rows_total'][at])}")
+             for at, count in zip(counted[lost], held[lost])]
     # The radix tree's locks are taken for requests (their matched prefix): with no
     # request holding a row, none may be left (a lock never released keeps that KV
     # from eviction for good; the law above counts it as accounted for).
-    locked = (held == 0) & (counted["kv_protected"] > 0)
-    rows += [(int(step), loop, f"protected {int(protected)} with no request holding a row: "
+    locked = counted[(held == 0) & (column["kv_protected"][counted] > 0)]
+    rows += [(int(column["step"][at]), column["loop"][at],
+              f"protected {int(column['kv_protected'][at])} with no request holding a row: "
               "a radix tree lock never released (that KV can never be evicted)")
-             for step, loop, protected in zip(
-                 *(counted.loc[locked, name] for name in ("step", "loop", "kv_protected")))]
+             for at in locked]
     return pd.DataFrame(rows, columns=["step", "loop", "explanation"]).sort_values(
         "step", kind="stable", ignore_index=True)
 

@@ -30,6 +30,7 @@ import pandas as pd
 from contract_lib.contract.base import (
     ClauseResult,
     NotExercised,
+    emitted_tokens,
     ints,
     live_requests,
     no_rows,
@@ -137,26 +138,28 @@ def _common_prefixes(frames: Frames, slots: pd.DataFrame) -> pd.Series:
     """Per entry whose slot another request's forward last wrote (``slot_writer``): how
     many leading tokens the two requests' sequences (prompt fed, then tokens emitted)
     share; NaN elsewhere, or where the run did not record its prompts."""
-    agreed = pd.Series(float("nan"), index=slots.index)
+    agreed = np.full(len(slots), np.nan)
     prompts = frames.meta.get("prompts")
-    foreign = slots["slot_writer"].notna() & (slots["slot_writer"] != slots["rid"])
-    if not prompts or not foreign.any():
-        return agreed
-    emitted = frames.outputs.sort_values(["rid", "index"]).groupby("rid")["token"].agg(list)
-    tokens = {rid: list(prompt) + emitted.get(rid, []) for rid, prompt in prompts.items()}
-    pairs = slots.loc[foreign, ["rid", "slot_writer"]].drop_duplicates()
-    common = {}
-    for rid, writer in pairs.itertuples(index=False):
-        mine, theirs = tokens.get(rid), tokens.get(writer)
-        if mine is None or theirs is None:
-            continue
-        length = min(len(mine), len(theirs))
-        common[(rid, writer)] = next(
-            (i for i in range(length) if mine[i] != theirs[i]), length)
-    keys = pd.Series(list(zip(slots.loc[foreign, "rid"], slots.loc[foreign, "slot_writer"])),
-                     index=slots.index[foreign])
-    agreed[foreign] = keys.map(common).astype("float64")
-    return agreed
+    writers, rids = slots["slot_writer"].to_numpy(), slots["rid"].to_numpy()
+    foreign = np.flatnonzero(pd.notna(writers) & (writers != rids))
+    if not prompts or not len(foreign):
+        return pd.Series(agreed, index=slots.index)
+    emitted = emitted_tokens(frames)
+    common: dict[tuple[str, str], int | None] = {}  # None: a prompt not recorded
+    for index in foreign:
+        pair = (rids[index], writers[index])
+        if pair not in common:
+            mine, theirs = prompts.get(pair[0]), prompts.get(pair[1])
+            if mine is None or theirs is None:
+                common[pair] = None
+                continue
+            mine = list(mine) + emitted.get(pair[0], [])
+            theirs = list(theirs) + emitted.get(pair[1], [])
+            length = min(len(mine), len(theirs))
+            common[pair] = next((i for i in range(length) if mine[i] != theirs[i]), length)
+        if common[pair] is not None:
+            agreed[index] = common[pair]
+    return pd.Series(agreed, index=slots.index)
 
 
 def _slot_positions(frames: Frames, slots: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:

@@ -16,9 +16,12 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from contract_lib.contract.base import ClauseResult, ordered_by, result
+from contract_lib.contract.base import ClauseResult, no_rows, ordered_by, result
 from contract_lib.contract.registry import clause
 from contract_lib.frames import Frames
+
+
+_NO_ROWS = no_rows(step="int64")
 
 
 def _nothing_launched(frames: Frames) -> str | None:
@@ -41,96 +44,113 @@ def _rows(field: str, bad: pd.DataFrame, step: str, expected, actual,
 def check_stamps(frames: Frames) -> ClauseResult:
     loop = frames.loop
     launches = ordered_by(frames.launches, "launch")
-    ct = launches["forward_ct"].astype("int64")
-    expected_ct = ct.shift(1, fill_value=int(frames.steps["forward_ct"].iloc[0])) + 1
-    bad_ct = launches[ct != expected_ct]
-    processed = launches[launches["processed_step"].notna()]
-    iters = processed["processed_forward_iter"]
-    bad_iter = processed[iters.isna() | (iters != processed["forward_ct"])]
+    note = f"{len(launches)} launches checked"
+
+    def column(name: str, dtype: str = "float64") -> np.ndarray:
+        """Column ``name`` of the launches received by ``process_batch_result``."""
+        return launches[name].to_numpy(dtype=dtype)[processed]
+
+    # The masks in numpy (~0.1 ms; ~3 ms in pandas), the rows only for what they find.
+    ct = launches["forward_ct"].to_numpy(dtype="int64")
+    expected_ct = np.append(int(frames.steps["forward_ct"].iloc[0]), ct[:-1]) + 1
+    bad_ct = ct != expected_ct
+    processed = np.flatnonzero(pd.notna(launches["processed_step"].to_numpy()))
+    iters = column("processed_forward_iter")
+    bad_iter = np.isnan(iters) | (iters != ct[processed])
     # A field the release does not have is not checked (``Frames.absent``).
     has_ts, has_gap = ("launch_ts" not in frames.absent,
                        "after_idle_gap" not in frames.absent)
-    ts = pd.to_numeric(processed["processed_launch_ts"], errors="coerce")
-    missing = processed[ts.isna()] if has_ts else processed.iloc[:0]
-    previous = ts.ffill().shift(1)
-    backwards = processed[ts <= previous]
-    stamped = pd.to_numeric(processed["launch_ts"], errors="coerce")
-    restamped = processed[stamped.notna() & ts.notna() & (ts != stamped)]
-    clock = frames.steps.set_index("step")["wall_time"]
-    earliest = processed["step"].map(clock)
-    latest = (processed["step"] + 1).map(clock).fillna(float("inf"))
-    off_clock = processed[(ts < earliest) | (ts > latest)]
+    ts = column("processed_launch_ts")
+    missing = np.isnan(ts) & has_ts
+    # The latest stamp before each (NaN before the first).
+    latest_known = np.maximum.accumulate(np.where(np.isnan(ts), 0, np.arange(len(ts))))
+    previous = np.append(np.nan, ts[latest_known][:-1])
+    backwards = ts <= previous
+    stamped = column("launch_ts")
+    restamped = ~np.isnan(stamped) & ~np.isnan(ts) & (ts != stamped)
+    clock = dict(zip(frames.steps["step"].tolist(), frames.steps["wall_time"].tolist()))
+    steps_at = launches["step"].to_numpy(dtype="int64")[processed]
+    earliest = np.array([clock.get(step, np.nan) for step in steps_at.tolist()],
+                        dtype="float64")
+    latest = np.array([clock.get(step + 1, np.nan) for step in steps_at.tolist()],
+                      dtype="float64")
+    latest[np.isnan(latest)] = np.inf
+    off_clock = (ts < earliest) | (ts > latest)
     # An idle gap: since the previous launch, an iteration ended with nothing to run.
     # SGLang's loops set ``_sched_idled`` exactly where they leave ``last_batch`` None:
     # torch, an iteration that launched nothing; MLX, also one whose chain broke and
     # then found nothing (after launching). So the boundaries after the previous
     # launch's step, up to this launch's, show ``last_batch`` None (boundary 0, before
     # any iteration, shows the initial None, not an idle iteration).
-    previous_step = launches["step"].shift(1, fill_value=-1)[processed.index]
+    previous_step = np.append(-1, launches["step"].to_numpy(dtype="int64")[:-1])[processed]
     steps = frames.steps
     idle = np.sort(steps.loc[steps["last_batch_mode"].isna() & (steps["step"] >= 1),
                              "step"].to_numpy(dtype="int64"))
-    after_gap = pd.Series(
-        np.searchsorted(idle, processed["step"].to_numpy(), side="right")
-        > np.searchsorted(idle, previous_step.to_numpy() + 1, side="left"),
-        index=processed.index)
-    stamped_gap = processed["processed_after_idle_gap"]
-    bad_gap = processed[stamped_gap.notna() & (stamped_gap.astype(object) != after_gap)
-                        & has_gap]
+    after_gap = (np.searchsorted(idle, steps_at, side="right")
+                 > np.searchsorted(idle, previous_step + 1, side="left"))
+    stamped_gap = column("processed_after_idle_gap", object)
+    bad_gap = (pd.notna(stamped_gap) & (stamped_gap != after_gap).astype(bool)) & has_gap
+    if not any(found.any() for found in (bad_ct, bad_iter, missing, backwards, restamped,
+                                         off_clock, bad_gap)):
+        return result(3, loop, _NO_ROWS, note)
+
+    def rows(found: np.ndarray) -> pd.DataFrame:
+        return launches.iloc[processed[found]]
+
     parts = []  # a table per kind of violation found (each ~1 ms of pandas to build)
-    if len(bad_ct):
+    if bad_ct.any():
         parts.append(_rows(
-            "forward_ct", bad_ct, "step", expected_ct[bad_ct.index].astype(object),
-            ct[bad_ct.index].astype(object),
+            "forward_ct", launches[bad_ct], "step", expected_ct[bad_ct].astype(object),
+            ct[bad_ct].astype(object),
             "a launch must advance forward_ct by one; the watchdog and the profiler count "
             "launches by it"))
-    if len(bad_iter):
+    if bad_iter.any():
         parts.append(_rows(
-            "forward_iter", bad_iter, "processed_step", bad_iter["forward_ct"].astype(object),
-            bad_iter["processed_forward_iter"].astype(object),
+            "forward_iter", rows(bad_iter), "processed_step",
+            rows(bad_iter)["forward_ct"].astype(object),
+            rows(bad_iter)["processed_forward_iter"].astype(object),
             "process_batch_result received a batch whose forward_iter is not its launch's "
             "forward_ct"))
-    if len(missing):
+    if missing.any():
         parts.append(_rows(
-            "launch_ts", missing, "processed_step", "a monotonic timestamp", None,
+            "launch_ts", rows(missing), "processed_step", "a monotonic timestamp", None,
             "process_batch_result received a batch with no launch_ts; "
             "_record_step_counters subtracts it"))
-    if len(backwards):
+    if backwards.any():
         parts.append(_rows(
-            "launch_ts", backwards, "processed_step",
-            [f"> {value:.6f}" for value in previous[backwards.index]],
-            [f"{value:.6f}" for value in ts[backwards.index]],
+            "launch_ts", rows(backwards), "processed_step",
+            [f"> {value:.6f}" for value in previous[backwards]],
+            [f"{value:.6f}" for value in ts[backwards]],
             "launch_ts did not advance between launches; _record_step_counters reads the "
             "time between them"))
-    if len(restamped):
+    if restamped.any():
         parts.append(_rows(
-            "launch_ts", restamped, "processed_step",
-            [f"{value:.6f} (stamped at launch)" for value in stamped[restamped.index]],
-            [f"{value:.6f}" for value in ts[restamped.index]],
+            "launch_ts", rows(restamped), "processed_step",
+            [f"{value:.6f} (stamped at launch)" for value in stamped[restamped]],
+            [f"{value:.6f}" for value in ts[restamped]],
             "the batch was stamped again after its launch; _record_step_counters reads "
             "the time since its launch"))
-    if len(off_clock):
+    if off_clock.any():
         parts.append(_rows(
-            "launch_ts", off_clock, "processed_step",
+            "launch_ts", rows(off_clock), "processed_step",
             [f"between {low:.6f} and {high:.6f} (time.monotonic around its launch, "
              f"steps {step} to {step + 1})" for low, high, step in
-             zip(earliest[off_clock.index], latest[off_clock.index], off_clock["step"])],
-            [f"{value:.6f}" for value in ts[off_clock.index]],
+             zip(earliest[off_clock], latest[off_clock], steps_at[off_clock])],
+            [f"{value:.6f}" for value in ts[off_clock]],
             "launch_ts is not a stamp of the loop's clock taken at the launch; "
             "_record_step_counters subtracts time.monotonic() stamps from it"))
-    if len(bad_gap):
-        gap = after_gap[bad_gap.index]
+    if bad_gap.any():
+        gap = after_gap[bad_gap]
         parts.append(_rows(
-            "after_idle_gap", bad_gap, "processed_step", gap.astype(object),
-            bad_gap["processed_after_idle_gap"].astype(object),
+            "after_idle_gap", rows(bad_gap), "processed_step", gap.astype(object),
+            rows(bad_gap)["processed_after_idle_gap"].astype(object),
             [f"an iteration between the previous launch (step {int(low)}) and this one "
              f"(step {int(high)}) ended with nothing to run (last_batch None)"
              if idled else f"the previous launch was at step {int(low)}, this one at "
              f"{int(high)}: every iteration between ended with a batch" for idled, low, high
-             in zip(gap, previous_step[bad_gap.index], bad_gap["step"])]))
+             in zip(gap, previous_step[bad_gap], steps_at[bad_gap])]))
         parts[-1]["explanation"] += ("; _record_step_counters times a step after an idle "
                                      "gap from its own launch, not the previous step's")
-    rows = pd.concat(parts or [pd.DataFrame(columns=["step"])])
-    rows["step"] = rows["step"].astype("int64")
-    note = f"{len(launches)} launches checked"
-    return result(3, loop, rows, note)
+    found = pd.concat(parts)
+    found["step"] = found["step"].astype("int64")
+    return result(3, loop, found, note)
