@@ -199,28 +199,31 @@ def check_counters_extended(frames: Frames) -> ClauseResult:
         base = ClauseResult(2, VIOLATED, base.note, found)
     if "decode_batch_idx" not in requests:
         return base
-    alive = requests[live_mask(requests) & requests["decode_batch_idx"].notna()
-                     & requests["kv_prefilled"].notna()]
-    if alive.empty:
+    columns = request_columns(frames)
+    recorded = (live_rows(frames) & pd.notna(columns["decode_batch_idx"])
+                & pd.notna(columns["kv_prefilled"]))
+    if not recorded.any():
         return ClauseResult(2, base.status, base.note + "; decode_batch_idx not recorded "
                             "by this SGLang", base.violations)
-    expected = (alive["kv_computed"] - alive["kv_prefilled"]).astype("int64")
-    value = alive["decode_batch_idx"].astype("int64")
-    bad = alive[value != expected]
-    if len(bad):
-        lag = (expected[bad.index] - value[bad.index])
+    wrong = recorded & (columns["decode_batch_idx"]
+                        != columns["kv_computed"] - columns["kv_prefilled"])
+    if wrong.any():
+        bad = requests[wrong]
+        expected = (bad["kv_computed"] - bad["kv_prefilled"]).astype("int64")
+        value = bad["decode_batch_idx"].astype("int64")
+        lag = expected - value
         direction = pd.Series("lags", index=bad.index).where(lag > 0, "leads")
         rows = pd.DataFrame({
             "field": "decode_batch_idx", "step": bad["step"].astype("int64"),
-            "rid": bad["rid"], "expected": expected[bad.index].astype(object),
-            "actual": value[bad.index].astype(object),
+            "rid": bad["rid"], "expected": expected.astype(object),
+            "actual": value.astype(object),
             "explanation": "decode_batch_idx " + direction + " the "
-                           + expected[bad.index].astype(str) + " decode steps computed "
+                           + expected.astype(str) + " decode steps computed "
                            "since the request's prefill by " + lag.abs().astype(str)
                            + "; SWA eviction, the SWA retain window and mamba tracking "
                            "count decode steps by it"})
         extra = violations(2, frames.loop, rows)
         found = pd.concat([base.violations, extra], ignore_index=True).sort_values(
             "step", kind="stable").reset_index(drop=True)
-    note = base.note + f"; decode_batch_idx on {len(alive)}"
+    note = base.note + f"; decode_batch_idx on {int(recorded.sum())}"
     return ClauseResult(2, VIOLATED if len(found) else HOLDS, note, found)

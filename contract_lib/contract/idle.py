@@ -33,42 +33,42 @@ _NO_ROWS = no_rows(field="str", step="int64", expected="str", actual="str",
                    explanation="str")
 
 
-def _overlap(steps: pd.DataFrame) -> pd.Series:
-    return steps["enable_overlap"].astype(bool) | steps["enable_overlap_mlx"].astype(bool)
+def _overlap(steps: pd.DataFrame) -> np.ndarray:
+    return (steps["enable_overlap"].to_numpy().astype(bool)
+            | steps["enable_overlap_mlx"].to_numpy().astype(bool))
 
 
-def _launched_in_flight(frames: Frames) -> pd.Series:
+def _launched_in_flight(frames: Frames) -> np.ndarray:
     """Per step: launches made at an earlier step and processed at this step or later (a
     launch never processed, e.g. one dropped unprocessed, is not counted)."""
-    launches = frames.launches[frames.launches["processed_step"].notna()]
-    made = launches["step"].to_numpy(dtype="float64")
-    processed = launches["processed_step"].to_numpy(dtype="float64")
+    processed = frames.launches["processed_step"].to_numpy(dtype="float64")
+    made = frames.launches["step"].to_numpy(dtype="float64")[~np.isnan(processed)]
+    processed = processed[~np.isnan(processed)]
     steps = frames.steps["step"].to_numpy(dtype="float64")
     if (processed >= made).all():  # as a loop records them: made < s <= processed is
         # made < s, less processed < s (which implies it), counted in sorted arrays
-        counts = (np.searchsorted(np.sort(made), steps, side="left")
-                  - np.searchsorted(np.sort(processed), steps, side="left"))
-    else:  # crafted frames: each pair compared (quadratic)
-        counts = ((made[None, :] < steps[:, None])
-                  & (steps[:, None] <= processed[None, :])).sum(axis=1)
-    return pd.Series(counts, index=frames.steps.index)
+        return (np.searchsorted(np.sort(made), steps, side="left")
+                - np.searchsorted(np.sort(processed), steps, side="left"))
+    # crafted frames: each pair compared (quadratic)
+    return ((made[None, :] < steps[:, None]) & (steps[:, None] <= processed[None, :])).sum(
+        axis=1)
 
 
 @derived
-def _in_flight(frames: Frames) -> pd.DataFrame:
-    """The steps holding in-flight work: an overlap loop's (``launched``: launches in
-    flight), or requests in a disaggregation loop's queues (``queued``)."""
-    steps = frames.steps.assign(launched=_launched_in_flight(frames),
-                                queued=_queued(frames.steps))
-    busy = (steps["result_queue_len"] > 0) | (steps["launched"] > 0)
-    return steps[(_overlap(steps) & busy) | (steps["queued"] > 0)]
+def _in_flight(frames: Frames) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per step: the launches in flight, the requests in a disaggregation loop's queues,
+    and whether it holds in-flight work (an overlap loop's, or queued requests)."""
+    steps = frames.steps
+    launched, queued = _launched_in_flight(frames), _queued(steps)
+    busy = (steps["result_queue_len"].to_numpy() > 0) | (launched > 0)
+    return launched, queued, (_overlap(steps) & busy) | (queued > 0)
 
 
-def _queued(steps: pd.DataFrame) -> pd.Series:
+def _queued(steps: pd.DataFrame) -> np.ndarray:
     """Per step, the requests in the disaggregation queues (0 on other loops)."""
     if "disagg_queued" not in steps:
-        return pd.Series(0, index=steps.index)
-    return pd.to_numeric(steps["disagg_queued"], errors="coerce").fillna(0).astype("int64")
+        return np.zeros(len(steps), dtype="int64")
+    return np.nan_to_num(steps["disagg_queued"].to_numpy(dtype="float64")).astype("int64")
 
 
 def never_overlapped(frames: Frames) -> str | None:
@@ -77,7 +77,7 @@ def never_overlapped(frames: Frames) -> str | None:
     the loop body that ran never overlapped; else None."""
     launches = len(frames.launches)
     if (frames.status != "finished" or launches < 2 or not _overlap(frames.steps).any()
-            or not _in_flight(frames).empty):
+            or _in_flight(frames)[2].any()):
         return None
     return (f"--loop {frames.loop} ran with overlap on, but none of its {launches} launches "
             "was still in flight at a step boundary: the loop body that ran does not "
@@ -87,7 +87,7 @@ def never_overlapped(frames: Frames) -> str | None:
 def _no_in_flight_work(frames: Frames) -> str | None:
     if not _overlap(frames.steps).any() and not frames.steps["disagg_queued"].notna().any():
         return "not an overlap loop: no in-flight work"
-    if _in_flight(frames).empty:
+    if not _in_flight(frames)[2].any():
         return "no step held in-flight work"
     return None
 
@@ -99,12 +99,12 @@ def _no_in_flight_work(frames: Frames) -> str | None:
         unexercised=_no_in_flight_work)
 def check_idle_predicate(frames: Frames) -> ClauseResult:
     loop = frames.loop
-    in_flight = _in_flight(frames)
-    note = f"{len(in_flight)} steps with in-flight work checked"
-    probed_idle = in_flight["idle_probe"].to_numpy().astype(bool)
-    if not probed_idle.any():
+    launched, queued, in_flight = _in_flight(frames)
+    note = f"{int(in_flight.sum())} steps with in-flight work checked"
+    found = in_flight & frames.steps["idle_probe"].to_numpy().astype(bool)
+    if not found.any():
         return result(5, loop, _NO_ROWS, note)
-    bad = in_flight[probed_idle]
+    bad = frames.steps[found].assign(launched=launched[found], queued=queued[found])
     masked = ~bad["is_fully_idle"].astype(bool)
     queue = loops.known(loop).in_flight
     elsewhere = pd.Series("", index=bad.index).where(

@@ -126,11 +126,20 @@ def _shared_by_accident(slots: pd.DataFrame, computed: np.ndarray, private: np.n
     twice = np.flatnonzero(computed)[counts[inverse] > 1]
     if not len(twice):  # only a slot entered more than once at a step can be shared
         return shared
-    by_slot = slots.iloc[twice].assign(private=private[twice]).groupby(["step", "slot"])
-    held = ((by_slot["rid"].transform("nunique") > 1)
-            & ((by_slot["position"].transform("nunique") > 1)
-               | by_slot["private"].transform("any")))
-    shared[twice[held.to_numpy()]] = True
+    # Per (step, slot) entered twice: how many requests and positions hold it, and
+    # whether any holds it past its protected prefix.
+    _, group = np.unique(keys[counts[inverse] > 1], return_inverse=True)
+    groups = int(group.max()) + 1
+
+    def distinct(values: np.ndarray) -> np.ndarray:
+        codes, _ = pd.factorize(values)
+        return np.bincount(np.unique(group * (int(codes.max()) + 1) + codes)
+                           // (int(codes.max()) + 1), minlength=groups)
+
+    held = ((distinct(slots["rid"].to_numpy(dtype=object)[twice]) > 1)
+            & ((distinct(slots["position"].to_numpy()[twice]) > 1)
+               | (np.bincount(group, weights=private[twice], minlength=groups) > 0)))
+    shared[twice[held[group]]] = True
     return shared
 
 
