@@ -28,7 +28,6 @@ from contract_lib.contract.base import ClauseResult, derived, ints, no_rows, res
 from contract_lib.contract.registry import clause
 from contract_lib.frames import Frames
 
-
 _NO_ROWS = no_rows(field="str", step="int64", expected="str", actual="str",
                    explanation="str")
 
