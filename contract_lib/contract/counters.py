@@ -110,8 +110,7 @@ def the_tree_keeps_what_was_committed(frames: Frames) -> list[pd.DataFrame]:
     owned = committed_pages(frames, released)
     # What the tree kept, where the release records it (else the reuse rule alone).
     recorded = "cache_protected_len" not in frames.absent
-    kept = pd.Series(released["cache_protected_len"].to_numpy(dtype="int64"),
-                     index=released.index) if recorded else owned
+    kept = released["cache_protected_len"].astype("int64") if recorded else owned
     lost = kept.to_numpy() < owned.to_numpy()
     parts = []
     if lost.any():

@@ -83,8 +83,7 @@ def reused_what_the_tree_kept(frames: Frames, released: pd.DataFrame, kept: np.n
     ``cached_tokens`` (the most any step shows). A tree that kept the right number of
     positions under the wrong keys, or lost them, fails here (silent cache loss)."""
     prompts = frames.meta.get("prompts") or {}
-    requests = frames.requests
-    if released.empty or not prompts or "cached_tokens" not in requests:
+    if released.empty or not prompts or "cached_tokens" not in frames.requests:
         return []
     page = int(run_arg(frames, "page_size") or 1)
     outputs = emitted_tokens(frames)
@@ -177,12 +176,13 @@ def cache_hits_counted_once(frames: Frames, order: int) -> list[pd.DataFrame]:
     computed_from = _first_computed_position(frames, rids[first], steps[first], prefilled)
     for rid in handoffs(frames):  # prefilled elsewhere: a decode launch computes first
         computed_from.pop(rid, None)
-    at_first = dict(zip(rids[first].tolist(), cached[first].tolist()))
-    since_step = dict(zip(rids[first].tolist(), steps[first].tolist()))
-    nan = float("nan")
-    at_first, since, skipped = (np.array([known.get(rid, nan) for rid in rids.tolist()],
-                                         dtype="float64")
-                                for known in (at_first, since_step, computed_from))
+    # Per row: its request's hit at the first prefill, the step of that prefill, and the
+    # prefix that prefill did not compute (NaN where unknown).
+    at_first, since, skipped = (
+        np.array([by_rid.get(rid, np.nan) for rid in rids.tolist()], dtype="float64")
+        for by_rid in (dict(zip(rids[first].tolist(), cached[first].tolist())),
+                       dict(zip(rids[first].tolist(), steps[first].tolist())),
+                       computed_from))
     counted = ~np.isnan(cached)
     over = counted & (cached > bound)
     changed = counted & ~np.isnan(at_first) & (steps > since) & (cached != at_first)
