@@ -933,3 +933,21 @@ def test_a_prompt_sglang_truncates_is_served_as_fed(tmp_path):
     first = frames.requests.drop_duplicates("rid").set_index("rid")
     assert first.loc["a", "prompt_len"] < 80 and first.loc["a", "max_new_tokens"] == 0
     assert check(frames).clauses[2].status == HOLDS
+
+
+@pytest.mark.fast
+def test_what_a_check_derives_is_never_another_runs(good):
+    """Within one check, a derived value is keyed by its frames' id: frames dropped in
+    the middle of a check (a rule's temporary copy) must not hand their value to the
+    frames that next take the freed id (CPython reuses it at once)."""
+    from contract_lib.contract.base import derived, one_check
+    from contract_lib.frames import Frames
+
+    requests = derived(lambda frames: len(frames.requests))
+    whole, part = dict(good.tables), {**good.tables, "requests": good.requests.iloc[:3]}
+    for _ in range(5):
+        with one_check():
+            dropped = Frames(tables=part, meta=good.meta)
+            assert requests(dropped) == 3
+            del dropped
+            assert requests(Frames(tables=whole, meta=good.meta)) == len(good.requests)

@@ -48,10 +48,10 @@ def derived(function: Callable[[Any], _Derived]) -> Callable[[Any], _Derived]:
         memo = _ONE_CHECK.get()
         if memo is None:
             return function(frames)
-        key = (function, id(frames))  # the frames outlive the check's memo
-        if key not in memo:
-            memo[key] = function(frames)
-        return memo[key]
+        key = (function, id(frames))
+        if key not in memo:  # kept with its frames: no other frames can take that id
+            memo[key] = (frames, function(frames))
+        return memo[key][1]
 
     return shared
 
