@@ -4,9 +4,9 @@ pyproject's addopts, importable through its ``pythonpath``): what start-up can d
 nbval (a plugin every process loads: addopts names its options) imports nbformat, which
 imports jsonschema, which imports ``rfc3987_syntax`` to offer an ``iri`` format check. That
 import compiles an Earley grammar: ~0.8 s of CPU in the controller and in each xdist
-worker, 40% of a fast-tier worker's start-up, for a format no test validates. Here the
-module is a stand-in that imports the real one at its first use: the same function, the
-same answers, no grammar built until then.
+worker (``--collect-only -m fast``: 2.6 s with it, 1.5 s without), for a format no test
+validates. Here the module is a stand-in that imports the real one at its first use: the
+same function, the same answers, no grammar built until then.
 """
 
 from __future__ import annotations

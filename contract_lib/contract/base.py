@@ -173,8 +173,8 @@ def _live(columns: dict[str, np.ndarray]) -> np.ndarray:
 def request_columns(frames) -> dict[str, np.ndarray]:
     """The requests table's columns as numpy arrays (strings, and bools with a missing
     value, as objects), shared within a check: read, do not edit. The rules compute
-    their masks on these (~5 us an operation; ~100 us in pandas on a table of tens of
-    rows) and build violation rows from the table."""
+    their masks on these (two columns compared, missing values masked: ~2 us; ~90 us in
+    pandas, on a fixture's 63 rows) and build violation rows from the table."""
     return {name: column.to_numpy() for name, column in frames.requests.items()}
 
 

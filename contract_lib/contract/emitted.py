@@ -323,19 +323,18 @@ def retractions_counted(frames: Frames, order: int) -> list[pd.DataFrame]:
     counted = request_columns(frames)["retractions"][by_request_rows].astype("float64")
     rise = np.full(len(by_request_rows), np.nan)
     rise[1:] = np.where(same[1:], counted[1:] - counted[:-1], np.nan)
-    if not (~np.isnan(rise) & (rise != gave_back)).any():
+    wrong = ~np.isnan(rise) & (rise != gave_back)
+    if not wrong.any():
         return []
-    requests = frames.requests.iloc[by_request_rows]
-    retracted = pd.Series(gave_back.astype("int64"), index=requests.index)
-    counted = pd.Series(counted, index=requests.index)
-    bad = requests[~np.isnan(rise) & (rise != gave_back)]
+    bad = frames.requests.iloc[by_request_rows[wrong]]
+    expected = np.append(np.nan, counted[:-1])[wrong] + gave_back[wrong]
     return [pd.DataFrame({
         "field": "retraction_count", "step": bad["step"].astype("int64"), "rid": bad["rid"],
-        "expected": (counted.shift(1) + retracted)[bad.index].astype("int64").astype(object),
-        "actual": counted[bad.index].astype("int64").astype(object),
+        "expected": expected.astype("int64").astype(object),
+        "actual": counted[wrong].astype("int64").astype(object),
         "explanation": ["the request gave its row back unfinished (retracted) and its "
-                        "retraction count did not rise" if r else "the retraction count "
-                        "rose with no retraction" for r in retracted[bad.index]],
+                        "retraction count did not rise" if retracted else "the retraction "
+                        "count rose with no retraction" for retracted in gave_back[wrong]],
         "order": order})]
 
 

@@ -20,7 +20,6 @@ from contract_lib.contract.base import ClauseResult, no_rows, ordered_by, result
 from contract_lib.contract.registry import clause
 from contract_lib.frames import Frames
 
-
 _NO_ROWS = no_rows(step="int64")
 
 
@@ -50,7 +49,8 @@ def check_stamps(frames: Frames) -> ClauseResult:
         """Column ``name`` of the launches received by ``process_batch_result``."""
         return launches[name].to_numpy(dtype=dtype)[processed]
 
-    # The masks in numpy (~0.1 ms; ~3 ms in pandas), the rows only for what they find.
+    # The masks in numpy (clause 3: 0.9 ms a saved run; 3.4 in pandas), the rows only for
+    # what they find.
     ct = launches["forward_ct"].to_numpy(dtype="int64")
     expected_ct = np.append(int(frames.steps["forward_ct"].iloc[0]), ct[:-1]) + 1
     bad_ct = ct != expected_ct
@@ -105,10 +105,11 @@ def check_stamps(frames: Frames) -> ClauseResult:
             "a launch must advance forward_ct by one; the watchdog and the profiler count "
             "launches by it"))
     if bad_iter.any():
+        received = rows(bad_iter)
         parts.append(_rows(
-            "forward_iter", rows(bad_iter), "processed_step",
-            rows(bad_iter)["forward_ct"].astype(object),
-            rows(bad_iter)["processed_forward_iter"].astype(object),
+            "forward_iter", received, "processed_step",
+            received["forward_ct"].astype(object),
+            received["processed_forward_iter"].astype(object),
             "process_batch_result received a batch whose forward_iter is not its launch's "
             "forward_ct"))
     if missing.any():
@@ -140,10 +141,10 @@ def check_stamps(frames: Frames) -> ClauseResult:
             "launch_ts is not a stamp of the loop's clock taken at the launch; "
             "_record_step_counters subtracts time.monotonic() stamps from it"))
     if bad_gap.any():
-        gap = after_gap[bad_gap]
+        gap, received = after_gap[bad_gap], rows(bad_gap)
         parts.append(_rows(
-            "after_idle_gap", rows(bad_gap), "processed_step", gap.astype(object),
-            rows(bad_gap)["processed_after_idle_gap"].astype(object),
+            "after_idle_gap", received, "processed_step", gap.astype(object),
+            received["processed_after_idle_gap"].astype(object),
             [f"an iteration between the previous launch (step {int(low)}) and this one "
              f"(step {int(high)}) ended with nothing to run (last_batch None)"
              if idled else f"the previous launch was at step {int(low)}, this one at "
